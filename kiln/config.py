@@ -1,0 +1,271 @@
+"""The typed job config: YAML loading, `--set` overrides, validation and clear errors.
+
+Each section is a pydantic model; unknown keys are refused, values are coerced to the
+field's type, and impossible combinations are caught here, before anything runs.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kiln.errors import KilnError
+from kiln.models.presets import PRESETS
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RopeScaling(Section):
+    type: Literal["llama3"] = "llama3"
+    """Only the Llama 3 frequency scaling is supported."""
+    factor: float = Field(8.0, gt=0)
+    low_freq_factor: float = Field(1.0, gt=0)
+    high_freq_factor: float = Field(4.0, gt=0)
+    original_max_seq_len: int = Field(8192, gt=0)
+
+
+class ModelConfig(Section):
+    preset: str | None = None
+    """A named shape from kiln/models/presets.py; fields set here override it."""
+    vocab_size: int = Field(8192, gt=0)
+    dim: int = Field(256, gt=0)
+    """Hidden size."""
+    n_layers: int = Field(4, gt=0)
+    n_heads: int = Field(8, gt=0)
+    n_kv_heads: int | None = Field(None, gt=0)
+    """Key/value heads for grouped-query attention; None means n_heads (plain multi-head)."""
+    head_dim: int | None = Field(None, gt=0)
+    """None means dim // n_heads (Qwen3 sets it explicitly)."""
+    intermediate_size: int = Field(704, gt=0)
+    """Hidden size of the SwiGLU MLP."""
+    max_seq_len: int = Field(2048, gt=0)
+    rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = Field(1e-5, gt=0)
+    qkv_bias: bool = False
+    """Bias on the q/k/v projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm on each query and key head before RoPE (Qwen3)."""
+    tie_embeddings: bool = False
+    init_std: float = Field(0.02, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") is not None:
+            name = data["preset"]
+            if name not in PRESETS:
+                raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+            data = {**PRESETS[name], **data}
+        return data
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> ModelConfig:
+        if self.head_dim is None and self.dim % self.n_heads:
+            raise ValueError(f"n_heads={self.n_heads} must divide dim={self.dim} "
+                             "(or set head_dim explicitly)")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        if self.head_size % 2:
+            raise ValueError(f"the head size ({self.head_size}) must be even for RoPE")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+
+class DataConfig(Section):
+    source: Literal["stdlib"] = "stdlib"
+    """'stdlib': the Python standard library's own source files, found at run time."""
+    seq_len: int = Field(256, gt=0)
+    val_fraction: float = Field(0.05, gt=0, lt=1)
+    """Share of files held out for validation (the split is by file)."""
+    max_bytes: int | None = Field(None, gt=0)
+    """Read at most this many bytes of the corpus (for quick tests)."""
+
+
+class OptimConfig(Section):
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    """Applied to matrices only; norms, biases and embeddings are excluded."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this; None turns clipping off."""
+
+
+class ScheduleConfig(Section):
+    kind: Literal["cosine", "wsd", "constant"] = "cosine"
+    """cosine: warmup then cosine decay; wsd: warmup-stable-decay; constant: warmup then flat."""
+    warmup_steps: int = Field(100, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """The final LR as a fraction of optim.lr."""
+    decay_fraction: float = Field(0.2, gt=0, le=1)
+    """wsd only: the share of steps spent in the final (linear) decay."""
+
+
+class TrainConfig(Section):
+    seed: int = 0
+    micro_batch_size: int = Field(8, gt=0)
+    grad_accum_steps: int = Field(1, gt=0)
+    max_steps: int | None = Field(1000, gt=0)
+    max_tokens: int | None = Field(None, gt=0)
+    max_time: float | None = Field(None, gt=0)
+    """Seconds of training; whichever of the three budgets comes first stops the run."""
+    device: str = "auto"
+    """'auto' picks cuda when present, else cpu."""
+    num_threads: int | None = Field(None, gt=0)
+    """CPU threads for torch; None means all cores."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of storing them."""
+    compile: bool = False
+    """torch.compile each transformer block."""
+    log_interval: int = Field(10, gt=0)
+    eval_interval: int = Field(100, gt=0)
+    eval_batches: int = Field(8, gt=0)
+    sample_prompt: str = "def "
+    sample_tokens: int = Field(64, ge=0)
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> TrainConfig:
+        if self.max_steps is None and self.max_tokens is None and self.max_time is None:
+            raise ValueError("set at least one of max_steps, max_tokens, max_time")
+        return self
+
+
+class PrecisionConfig(Section):
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Compute dtype under autocast; master weights and optimizer state stay fp32."""
+
+
+class MetricsConfig(Section):
+    peak_tflops: float | None = Field(None, gt=0)
+    """Peak for MFU, in TFLOP/s. None: a known value for H100/H200/MI300X, or measured on CPU."""
+    progress_bar: Literal["auto", "on", "off"] = "auto"
+    """auto: a bar on a terminal, plain lines otherwise."""
+
+
+class JobConfig(Section):
+    name: str = "run"
+    """The run directory is <out_dir>/<name>."""
+    out_dir: str = "runs"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    train: TrainConfig = TrainConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+    @model_validator(mode="after")
+    def _check_job(self) -> JobConfig:
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(f"data.seq_len={self.data.seq_len} exceeds "
+                             f"model.max_seq_len={self.model.max_seq_len}")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) / self.name
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> JobConfig:
+    """Read a YAML job file, apply `a.b=value` overrides, validate; KilnError on any problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise KilnError(f"cannot read config file {path}: {e.strerror or e}") from None
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise KilnError(f"{path}{line} is not valid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(raw, dict):
+        raise KilnError(f"{path} must hold a mapping of sections (model:, data:, train:, ...), "
+                        f"not a {type(raw).__name__}")
+    for item in overrides:
+        _apply_override(raw, item, path)
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as e:
+        raise KilnError(_describe(e, path, overrides)) from None
+
+
+def _apply_override(raw: dict, item: str, path: Path) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise KilnError(f"--set {item!r}: expected KEY=VALUE, e.g. --set optim.lr=1e-3")
+    parts = key.strip().split(".")
+    node, cls = raw, JobConfig
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise KilnError(f"--set {key}: {part!r} in {path} is not a section")
+        node, cls = child, _section_class(cls, part)
+    leaf = parts[-1]
+    annotation = _field_annotation(cls, leaf)
+    # Keep strings as typed for str fields (a run named "007" stays "007"); otherwise parse
+    # the value as YAML and let pydantic coerce it to the field's type ("1e-3" -> 0.001).
+    node[leaf] = text if annotation is str else yaml.safe_load(text) if text else None
+
+
+def _section_class(cls: type | None, name: str) -> type | None:
+    annotation = _field_annotation(cls, name)
+    for arg in (annotation, *typing.get_args(annotation)):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def _field_annotation(cls: type | None, name: str) -> Any:
+    if cls is None or name not in cls.model_fields:
+        return None
+    annotation = cls.model_fields[name].annotation
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) and len(args) == 1:
+        return args[0]
+    return annotation
+
+
+def _describe(error: ValidationError, path: Path, overrides: list[str]) -> str:
+    set_keys = {o.partition("=")[0].strip() for o in overrides}
+    lines = []
+    for err in error.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        origin = " (from --set)" if loc in set_keys else ""
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            parent = _section_at(err["loc"][:-1])
+            allowed = ", ".join(parent.model_fields) if parent else "?"
+            lines.append(f"unknown key '{loc}'{origin}; allowed here: {allowed}")
+        elif err["type"] in ("missing",):
+            lines.append(f"'{loc}' is required")
+        else:
+            where = f"'{loc}'" if loc else "the config"
+            shown = "" if err["type"].startswith("value_error") else f" (got {err['input']!r})"
+            lines.append(f"{where}{origin}: {msg}{shown}")
+    return f"invalid config {path}: " + "; ".join(lines) + "."
+
+
+def _section_at(loc: tuple) -> type | None:
+    cls: type | None = JobConfig
+    for part in loc:
+        cls = _section_class(cls, str(part))
+    return cls

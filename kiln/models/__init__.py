@@ -1,0 +1,1 @@
+"""Plain nn.Module models that know nothing of parallelism."""

@@ -1,0 +1,97 @@
+"""Hugging Face Llama/Mistral/Qwen2/Qwen3 configs and weight names <-> ours.
+
+The layouts agree (RoPE rotates halves in both), so the weight map is a rename, no permutation.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kiln.config import ModelConfig
+from kiln.errors import KilnError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    """Our ModelConfig from the fields of a Hugging Face config.json."""
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise KilnError(f"model_type {kind!r} is not supported; supported: "
+                        f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type"))
+    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = None
+    if rope_type == "llama3":
+        scaling = dict(type="llama3", factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
+                       high_freq_factor=rope["high_freq_factor"],
+                       original_max_seq_len=rope["original_max_position_embeddings"])
+    elif rope_type not in (None, "default"):
+        raise KilnError(f"rope scaling {rope_type!r} is not supported (only llama3)")
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim"), intermediate_size=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048), rope_theta=theta,
+        rope_scaling=scaling, norm_eps=hf.get("rms_norm_eps", 1e-6),
+        qkv_bias=kind == "qwen2" or bool(hf.get("attention_bias", False)),
+        qk_norm=kind == "qwen3", tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+# (ours, Hugging Face); {i} is the layer index.
+_NAMES = [
+    ("embed.weight", "model.embed_tokens.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+    ("blocks.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("blocks.{i}.mlp_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("blocks.{i}.attn.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    ("blocks.{i}.attn.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
+    *[(f"blocks.{{i}}.attn.{x}.{p}", f"model.layers.{{i}}.self_attn.{x}_proj.{p}")
+      for x in "qkvo" for p in ("weight", "bias")],
+    *[(f"blocks.{{i}}.mlp.{x}.weight", f"model.layers.{{i}}.mlp.{x}_proj.weight")
+      for x in ("gate", "up", "down")],
+]
+
+
+def _compile(template: str) -> re.Pattern:
+    return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
+
+
+_TO_HF = [(_compile(ours), hf) for ours, hf in _NAMES]
+_FROM_HF = [(_compile(hf), ours) for ours, hf in _NAMES]
+
+
+def _rename(name: str, table: list[tuple[re.Pattern, str]]) -> str:
+    for pattern, target in table:
+        m = pattern.match(name)
+        if m:
+            return target.format(i=m.group(1)) if m.groups() else target
+    raise KeyError(f"no Hugging Face name mapping for weight {name!r}")
+
+
+def to_hf_name(name: str) -> str:
+    return _rename(name, _TO_HF)
+
+
+def from_hf_name(name: str) -> str:
+    return _rename(name, _FROM_HF)
+
+
+def from_hf_state_dict(state: dict, tie_embeddings: bool) -> dict:
+    """An HF state dict renamed to ours; a tied lm_head is the embedding, whatever the file holds."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("rotary_emb.inv_freq") or (tie_embeddings and name == "lm_head.weight"):
+            continue
+        out[from_hf_name(name)] = tensor
+    if tie_embeddings and "embed.weight" in out:
+        out["lm_head.weight"] = out["embed.weight"]
+    return out
+
+
+def to_hf_state_dict(state: dict, tie_embeddings: bool) -> dict:
+    """Our state dict under HF names; a tied lm_head is left out, as HF checkpoints do."""
+    return {to_hf_name(n): t for n, t in state.items()
+            if not (tie_embeddings and n == "lm_head.weight")}

@@ -1,0 +1,1 @@
+"""The training step and what it needs: optimizer, schedule, precision, metrics."""

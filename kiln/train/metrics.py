@@ -1,0 +1,80 @@
+"""Throughput, MFU, memory, and the metrics log: metrics.jsonl plus a progress bar or plain lines."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+# Dense bf16 peaks (TFLOP/s) of known accelerators, by a substring of the device name.
+KNOWN_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "MI300X": 1307.4, "MI325X": 1307.4}
+
+
+def measure_matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of an n-cubed matmul on the CPU with the current thread count (best of repeats)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, configured_tflops: float | None) -> float:
+    if configured_tflops is not None:
+        return configured_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in KNOWN_PEAK_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12
+        return 312e12  # A100 bf16, a conservative default for unknown GPUs
+    return measure_matmul_flops(dtype)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+class MetricsLog:
+    """Appends one JSON object per logging interval to metrics.jsonl and shows it."""
+
+    def __init__(self, path: Path, total_steps: int | None, progress_bar: str, start_step: int = 0):
+        self.path = path
+        show_bar = progress_bar == "on" or (progress_bar == "auto" and sys.stderr.isatty())
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True) if show_bar else None
+
+    def log(self, record: dict) -> None:
+        record = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in record.items()}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        line = " ".join(f"{k}={_fmt(v)}" for k, v in record.items())
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def advance(self, steps: int = 1, loss: float | None = None) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+            if loss is not None:
+                self.bar.set_postfix(loss=f"{loss:.3f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)

@@ -1,0 +1,27 @@
+import pytest
+import torch
+
+from kiln.config import JobConfig
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+
+
+def tiny_job(tmp_path, **sections) -> JobConfig:
+    """A job small enough to train in seconds: a 2-layer model on a slice of the stdlib corpus."""
+    raw = {
+        "name": "t", "out_dir": str(tmp_path / "runs"),
+        "model": dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                      intermediate_size=160, max_seq_len=64),
+        "data": dict(seq_len=32, max_bytes=400_000, val_fraction=0.1),
+        "optim": dict(lr=1e-2),
+        "schedule": dict(warmup_steps=5),
+        "train": dict(micro_batch_size=16, max_steps=60, log_interval=20, eval_interval=30,
+                      eval_batches=2, sample_tokens=8, num_threads=2),
+        "metrics": dict(peak_tflops=0.1, progress_bar="off"),
+    }
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
+    return JobConfig.model_validate(raw)
