@@ -162,9 +162,10 @@ def count_parameters(cfg: ModelConfig, embedding: bool = True) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward): 6 x matmul weights + attention scores.
 
-    Matmul weights are every parameter except the embedding lookup (the output projection
-    counts even when tied); attention adds 12 * layers * heads * head_dim * seq_len (PaLM).
+    Matmul weights are the linear layers' (the output projection counts even when tied; the
+    embedding lookup does not); attention adds 12 * layers * heads * head_dim * seq_len (PaLM).
     """
-    matmul_params = count_parameters(cfg, embedding=False) + (
-        cfg.vocab_size * cfg.dim if cfg.tie_embeddings else 0)
-    return 6 * matmul_params + 12 * cfg.n_layers * cfg.n_heads * cfg.head_size * seq_len
+    d, h, kv, hd = cfg.dim, cfg.n_heads, cfg.kv_heads, cfg.head_size
+    per_layer = 2 * d * h * hd + 2 * d * kv * hd + 3 * d * cfg.intermediate_size
+    matmul_weights = cfg.n_layers * per_layer + cfg.vocab_size * d
+    return 6 * matmul_weights + 12 * cfg.n_layers * h * hd * seq_len
