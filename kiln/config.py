@@ -34,6 +34,9 @@ class RopeScaling(Section):
 class ModelConfig(Section):
     preset: str | None = None
     """A named shape from kiln/models/presets.py; fields set here override it."""
+    init_from: str | None = None
+    """A Hugging Face model directory (config.json + safetensors): its config.json gives the
+    shape (fields set here override it, like a preset) and its weights initialise the model."""
     vocab_size: int = Field(8192, gt=0)
     dim: int = Field(256, gt=0)
     """Hidden size."""
@@ -66,6 +69,17 @@ class ModelConfig(Section):
             data = {**PRESETS[name], **data}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_init_from(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("init_from") is not None:
+            if data.get("preset") is not None:
+                raise ValueError("set model.preset or model.init_from, not both")
+            from kiln.checkpoint.hf_import import hf_model_fields  # reads config.json
+
+            data = {**hf_model_fields(data["init_from"]), **data}
+        return data
+
     @model_validator(mode="after")
     def _check_shape(self) -> ModelConfig:
         if self.head_dim is None and self.dim % self.n_heads:
@@ -86,14 +100,84 @@ class ModelConfig(Section):
         return self.head_dim or self.dim // self.n_heads
 
 
+class DataSourceConfig(Section):
+    name: str
+    """How this source is named in reports and curriculum weights (e.g. web, code, math)."""
+    path: str
+    """A directory written by `kiln prepare`."""
+    split: str = "train"
+    weight: float = Field(1.0, gt=0)
+    """Share of training samples drawn from this source (normalised over all sources)."""
+    order: Literal["shuffle", "difficulty"] = "shuffle"
+    """shuffle: a fresh permutation each epoch; difficulty: documents by their prepared score,
+    lowest first (needs `kiln prepare --score-field`)."""
+
+
+class ValSetConfig(Section):
+    name: str
+    """Reported as val/<name>_loss and val/<name>_ppl."""
+    path: str
+    """A directory written by `kiln prepare`."""
+    split: str = "val"
+
+
+class CurriculumStage(Section):
+    until: float = Field(gt=0, le=1)
+    """The stage lasts until this fraction of the run's steps (the last stage: 1.0)."""
+    weights: dict[str, float] | None = None
+    """Mixture weights by source name in this stage; None keeps the sources' own weights."""
+    seq_len: int | None = Field(None, gt=0)
+    """A shorter sequence length for this stage (must divide data.seq_len); tokens per step stay."""
+
+
 class DataConfig(Section):
-    source: Literal["stdlib"] = "stdlib"
-    """'stdlib': the Python standard library's own source files, found at run time."""
+    source: Literal["stdlib", "shards"] = "stdlib"
+    """'stdlib': the Python standard library's own source files, found at run time, prepared
+    into shards in the run directory; 'shards': directories written by `kiln prepare`."""
     seq_len: int = Field(256, gt=0)
     val_fraction: float = Field(0.05, gt=0, lt=1)
-    """Share of files held out for validation (the split is by file)."""
+    """stdlib: share of files held out for validation (the split is by file)."""
     max_bytes: int | None = Field(None, gt=0)
-    """Read at most this many bytes of the corpus (for quick tests)."""
+    """stdlib: read at most this many bytes of the corpus (for quick tests)."""
+    tokenizer: str | None = None
+    """shards: a tokenizer.json or a model directory; None: the tokenizer saved by kiln prepare
+    in the first source's directory. Every source must have been prepared with it."""
+    sources: list[DataSourceConfig] = []
+    """shards: the training sources, mixed by weight."""
+    val: list[ValSetConfig] = []
+    """shards: held-out sets, each evaluated and reported separately."""
+    curriculum: list[CurriculumStage] = []
+    """Stages over training progress (mixture weights, sequence length); needs train.max_steps
+    or train.max_tokens to know where the run ends."""
+    prefetch: int = Field(2, ge=0)
+    """Batches read ahead in a background thread; 0 reads in the training loop."""
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> DataConfig:
+        names = [s.name for s in self.sources]
+        if self.source == "shards" and not self.sources:
+            raise ValueError("data.source 'shards' needs at least one entry in data.sources")
+        if self.source == "stdlib" and (self.sources or self.val):
+            raise ValueError("data.sources and data.val are for data.source 'shards'")
+        for group, listed in (("data.sources", names), ("data.val", [v.name for v in self.val])):
+            if len(set(listed)) != len(listed):
+                raise ValueError(f"names in {group} must be unique (got {', '.join(listed)})")
+        ends = [stage.until for stage in self.curriculum]
+        if ends and (ends != sorted(set(ends)) or ends[-1] != 1.0):
+            raise ValueError(f"data.curriculum 'until' values must increase and end at 1.0 "
+                             f"(got {ends})")
+        for i, stage in enumerate(self.curriculum):
+            unknown = set(stage.weights or {}) - set(names if self.sources else ["stdlib"])
+            if unknown:
+                raise ValueError(f"data.curriculum.{i}.weights names unknown sources "
+                                 f"{sorted(unknown)}; sources are {names or ['stdlib']}")
+            if stage.weights is not None and (any(w < 0 for w in stage.weights.values())
+                                              or not any(w > 0 for w in stage.weights.values())):
+                raise ValueError(f"data.curriculum.{i}.weights must be >= 0, some > 0")
+            if stage.seq_len is not None and self.seq_len % stage.seq_len:
+                raise ValueError(f"data.curriculum.{i}.seq_len={stage.seq_len} must divide "
+                                 f"data.seq_len={self.seq_len}")
+        return self
 
 
 class OptimConfig(Section):
@@ -157,6 +241,35 @@ class MetricsConfig(Section):
     """auto: a bar on a terminal, plain lines otherwise."""
 
 
+class CheckpointConfig(Section):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_by_name=True,
+                              validate_by_alias=True, serialize_by_alias=True)
+    dir: str | None = None
+    """A local path, an NFS mount or s3://bucket/prefix; None: checkpoints/ in the run directory.
+    Object-store credentials come from the environment (AWS_ACCESS_KEY_ID, ...), never from here."""
+    endpoint_url: str | None = None
+    """An S3-compatible endpoint; None: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS."""
+    interval: int | None = Field(500, gt=0)
+    """Save every this many steps (and always at the end); None: only at the end."""
+    keep_last: int | None = Field(2, gt=0)
+    """Keep the newest this many committed checkpoints; None keeps all."""
+    keep_every: int | None = Field(None, gt=0)
+    """Also keep every checkpoint whose step is a multiple of this (milestones)."""
+    async_save: bool = Field(False, alias="async")
+    """Write in the background: the loop waits only while the state is copied off the device."""
+    verify: bool = True
+    """Check every file against the commit marker's checksums before resuming from it."""
+    enabled: bool = True
+
+    @model_validator(mode="after")
+    def _no_credentials(self) -> CheckpointConfig:
+        if self.dir and "://" in self.dir and "@" in self.dir.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError("checkpoint.dir must not carry credentials (user:secret@): they would "
+                             "be saved with the config; set AWS_ACCESS_KEY_ID / "
+                             "AWS_SECRET_ACCESS_KEY in the environment instead")
+        return self
+
+
 class JobConfig(Section):
     name: str = "run"
     """The run directory is <out_dir>/<name>."""
@@ -168,6 +281,7 @@ class JobConfig(Section):
     train: TrainConfig = TrainConfig()
     precision: PrecisionConfig = PrecisionConfig()
     metrics: MetricsConfig = MetricsConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     @model_validator(mode="after")
     def _check_job(self) -> JobConfig:
@@ -221,9 +335,12 @@ def _apply_override(raw: dict, item: str, path: Path) -> None:
         node, cls = child, _section_class(cls, part)
     leaf = parts[-1]
     annotation = _field_annotation(cls, leaf)
-    # Keep strings as typed for str fields (a run named "007" stays "007"); otherwise parse
-    # the value as YAML and let pydantic coerce it to the field's type ("1e-3" -> 0.001).
-    node[leaf] = text if annotation is str else yaml.safe_load(text) if text else None
+    # Keep strings as typed for str and string-choice fields (a run named "007" stays "007",
+    # progress_bar=off stays "off"); otherwise parse the value as YAML and let pydantic coerce
+    # it to the field's type ("1e-3" -> 0.001).
+    is_string = annotation is str or (typing.get_origin(annotation) is Literal and all(
+        isinstance(a, str) for a in typing.get_args(annotation)))
+    node[leaf] = text if is_string else yaml.safe_load(text) if text else None
 
 
 def _section_class(cls: type | None, name: str) -> type | None:

@@ -20,11 +20,13 @@ def write(tmp_path, text: str) -> Path:
 
 def test_quickstart_resolves_with_overrides():
     cfg = load_config(ROOT / "configs/quickstart.yaml",
-                      ["optim.lr=1e-3", "train.max_steps=200", "name=007", "train.max_time=null"])
+                      ["optim.lr=1e-3", "train.max_steps=200", "name=007", "train.max_time=null",
+                       "metrics.progress_bar=off"])
     assert cfg.optim.lr == 1e-3 and isinstance(cfg.optim.lr, float)
     assert cfg.train.max_steps == 200
     assert cfg.name == "007"
     assert cfg.train.max_time is None
+    assert cfg.metrics.progress_bar == "off"
     assert cfg.model.dim == 384  # from the preset
 
 

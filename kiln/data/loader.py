@@ -1,71 +1,118 @@
-"""Pack token streams into fixed-length sequences and serve shuffled, resumable batches."""
+"""Packed samples -> (inputs, targets) batches, read ahead in a background thread, resumable."""
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterator
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer
 
-from kiln.data.tokenizer import EOS
-
-
-def tokenize_documents(tokenizer: Tokenizer, texts: list[str]) -> torch.Tensor:
-    """One stream of token ids: each document followed by EOS."""
-    eos = tokenizer.token_to_id(EOS)
-    ids = [np.asarray(e.ids + [eos], dtype=np.int32) for e in tokenizer.encode_batch(texts)]
-    return torch.from_numpy(np.concatenate(ids))
+from kiln.data.sampler import Sampler, Stage
+from kiln.data.shards import PackedSamples
+from kiln.errors import KilnError
 
 
-def pack(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """(n, seq_len + 1) blocks: inputs are block[:-1], targets block[1:]; the tail is dropped."""
-    n = len(stream) // (seq_len + 1)
-    return stream[: n * (seq_len + 1)].view(n, seq_len + 1)
+class ShardLoader:
+    """Endless training batches of shape (micro_batch, seq_len) from one or more sources.
 
-
-class PackedLoader:
-    """Endless batches over packed blocks, reshuffled each epoch from (seed, epoch).
-
-    Its position is a small state dict, so a resumed run sees exactly the batches an
-    uninterrupted one would have seen next.
+    `state_dict()` is the position after the last batch handed out (not the last one read
+    ahead), so a run resumed from it sees exactly the batches an uninterrupted run would have.
+    In a curriculum stage with a shorter `seq_len`, each (B, L) batch is cut into
+    (B * L / seq_len, seq_len): the same tokens per step, shorter sequences.
     """
 
-    def __init__(self, blocks: torch.Tensor, batch_size: int, seed: int):
-        if len(blocks) < batch_size:
-            raise ValueError(f"only {len(blocks)} sequences, fewer than one batch of {batch_size}")
-        self.blocks, self.batch_size, self.seed = blocks, batch_size, seed
-        self.epoch, self.position = 0, 0
-        self._order = self._permutation()
-
-    def _permutation(self) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 100003 + self.epoch)
-        return torch.randperm(len(self.blocks), generator=g)
+    def __init__(self, sources: list[PackedSamples], names: list[str], sampler: Sampler,
+                 prefetch: int = 2, pin_memory: bool = False):
+        self.sources, self.names, self.sampler = sources, names, sampler
+        self.prefetch, self.pin_memory = prefetch, pin_memory
+        self._state = sampler.state_dict()
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self
 
+    def _produce(self) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:
+        picks, stage = self.sampler.next_batch()
+        rows = np.stack([self.sources[s].sample(i) for s, i in picks])
+        batch = torch.from_numpy(rows)
+        x, y = batch[:, :-1], batch[:, 1:]
+        if stage.seq_len is not None and stage.seq_len != x.shape[1]:
+            x, y = x.reshape(-1, stage.seq_len), y.reshape(-1, stage.seq_len)
+        x, y = x.contiguous(), y.contiguous()
+        if self.pin_memory:  # lets the copy to the GPU overlap with compute
+            x, y = x.pin_memory(), y.pin_memory()
+        return (x, y), self.sampler.state_dict()
+
+    def _run(self) -> None:
+        # Read ahead while the trainer computes; numpy and memmap reads release the GIL.
+        while not self._stop.is_set():
+            try:
+                item = self._produce()
+            except BaseException as e:  # hand the error to the consumer instead of dying silently
+                item = e
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    pass
+            if isinstance(item, BaseException):
+                return
+
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.position + self.batch_size > len(self._order):
-            self.epoch, self.position = self.epoch + 1, 0
-            self._order = self._permutation()
-        index = self._order[self.position: self.position + self.batch_size]
-        self.position += self.batch_size
-        batch = self.blocks[index].long()
-        return batch[:, :-1], batch[:, 1:]
+        if self.prefetch == 0:
+            batch, self._state = self._produce()
+            return batch
+        if self._thread is None:
+            self._queue, self._stop = queue.Queue(self.prefetch), threading.Event()
+            self._thread = threading.Thread(target=self._run, name="kiln-data", daemon=True)
+            self._thread.start()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        batch, self._state = item
+        return batch
+
+    def close(self) -> None:
+        """Stop reading ahead; the sampler is left past what was read ahead, so reset it."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            self.sampler.load_state_dict(self._state)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"sampler": dict(self._state), "sources": list(self.names)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]
-        self._order = self._permutation()
+        if list(state["sources"]) != self.names:
+            raise KilnError(f"the data position was saved for sources {list(state['sources'])}; "
+                            f"this run reads {self.names}: it cannot continue at the same sample")
+        self.close()
+        self.sampler.load_state_dict(state["sampler"])
+        self._state = self.sampler.state_dict()
+
+    def tokens_by_source(self) -> dict[str, int]:
+        """Target tokens consumed from each source so far, summed over all ranks."""
+        seq_len = self.sources[0].seq_len
+        return {name: n * seq_len for name, n in zip(self.names, self._state["consumed"])}
 
 
-def fixed_batches(blocks: torch.Tensor, batch_size: int, n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first n_batches batches of blocks, in order: a validation set that never changes."""
+def fixed_batches(samples: PackedSamples, batch_size: int,
+                  n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first n_batches batches of a set, in order: a validation set that never changes."""
+    n = min(len(samples), n_batches * batch_size)
     out = []
-    for start in range(0, min(len(blocks), n_batches * batch_size), batch_size):
-        batch = blocks[start: start + batch_size].long()
-        out.append((batch[:, :-1], batch[:, 1:]))
+    for start in range(0, n, batch_size):
+        rows = torch.from_numpy(np.stack([samples.sample(i)
+                                          for i in range(start, min(start + batch_size, n))]))
+        out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
     return out
+
+
+__all__ = ["ShardLoader", "Stage", "fixed_batches"]

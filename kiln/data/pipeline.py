@@ -1,40 +1,135 @@
-"""From the data config to a tokenizer, a training loader and a fixed validation set."""
+"""From the data config to a tokenizer, a training loader and fixed validation sets."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import torch
 from tokenizers import Tokenizer
 
 from kiln.config import JobConfig
 from kiln.data.corpus import load_stdlib_corpus
-from kiln.data.loader import PackedLoader, fixed_batches, pack, tokenize_documents
-from kiln.data.tokenizer import cached_bpe
+from kiln.data.loader import ShardLoader, fixed_batches
+from kiln.data.prepare import PrepareOptions, prepare_texts
+from kiln.data.sampler import Sampler, Stage
+from kiln.data.shards import PackedSamples, ShardSet
+from kiln.data.tokenizer import TokenizerInfo, cached_bpe, describe, load_tokenizer, save_tokenizer
 from kiln.errors import KilnError
 
 
 @dataclass
 class Data:
     tokenizer: Tokenizer
-    train: PackedLoader
+    train: ShardLoader
     val: list
+    """Batches of the first validation set (the one reported as val_loss)."""
     train_tokens: int
+    """Tokens in one epoch of all training sources."""
+    val_sets: dict[str, list] = field(default_factory=dict)
+    """Every validation set by name, `val` first; each is reported separately."""
+    info: TokenizerInfo | None = None
 
 
-def build_data(cfg: JobConfig, run_dir: Path) -> Data:
+def dist_rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def build_data(cfg: JobConfig, run_dir: Path, rank: int | None = None,
+               world_size: int | None = None) -> Data:
+    if rank is None or world_size is None:
+        rank, world_size = dist_rank_world()
+    if cfg.data.source == "stdlib":
+        info, train, val = _stdlib_shards(cfg, Path(run_dir))
+    else:
+        info, train, val = _prepared_shards(cfg, Path(run_dir))
+    seq_len, batch = cfg.data.seq_len, cfg.train.micro_batch_size
+    for name, shards in train + val:
+        if shards.tokenizer_fingerprint != info.fingerprint:
+            raise KilnError(f"data source {name!r} ({shards.directory}) was prepared with a "
+                            "different tokenizer than this run uses; prepare it again with it")
+    if info.vocab_size > cfg.model.vocab_size:
+        raise KilnError(f"the tokenizer has {info.vocab_size} tokens but model.vocab_size is "
+                        f"{cfg.model.vocab_size}: token ids would fall outside the embedding")
+    train_samples = [PackedSamples(s, seq_len, _order(cfg, name)) for name, s in train]
+    val_samples = {name: PackedSamples(s, seq_len) for name, s in val}
+    for name, samples in [*zip([n for n, _ in train], train_samples), *val_samples.items()]:
+        if len(samples) == 0:
+            raise KilnError(f"data source {name!r} has {samples.shards.total_tokens} tokens: "
+                            f"not one sequence of data.seq_len={seq_len}")
+    names = [name for name, _ in train]
+    sampler = Sampler([len(s) for s in train_samples], _stages(cfg, names, world_size),
+                      cfg.train.seed, batch, rank, world_size,
+                      shuffle=[s.order == "shuffle" for s in train_samples])
+    pin = torch.cuda.is_available() and cfg.train.device != "cpu"
+    loader = ShardLoader(train_samples, names, sampler, cfg.data.prefetch, pin)
+    val_sets = {name: fixed_batches(s, batch, cfg.train.eval_batches)
+                for name, s in val_samples.items()}
+    return Data(info.tokenizer, loader, next(iter(val_sets.values())),
+                sum(s.total_tokens for _, s in train), val_sets, info)
+
+
+def _order(cfg: JobConfig, name: str) -> str:
+    return next((s.order for s in cfg.data.sources if s.name == name), "shuffle")
+
+
+def _stdlib_shards(cfg: JobConfig, run_dir: Path):
+    """The quickstart corpus, tokenized once into shards in the run directory (cached by content)."""
     corpus = load_stdlib_corpus(cfg.data.val_fraction, cfg.data.max_bytes)
     tokenizer = cached_bpe(run_dir / "tokenizer.json", corpus.train, cfg.model.vocab_size,
                            corpus.fingerprint)
-    if tokenizer.get_vocab_size() > cfg.model.vocab_size:
-        raise KilnError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens but "
-                        f"model.vocab_size is {cfg.model.vocab_size}")
-    seq_len, batch = cfg.data.seq_len, cfg.train.micro_batch_size
-    train_blocks = pack(tokenize_documents(tokenizer, corpus.train), seq_len)
-    val_blocks = pack(tokenize_documents(tokenizer, corpus.val), seq_len)
-    if len(train_blocks) < batch or len(val_blocks) == 0:
-        raise KilnError(f"the corpus gives {len(train_blocks)} training and {len(val_blocks)} "
-                        f"validation sequences of data.seq_len={seq_len}: too few for "
-                        f"train.micro_batch_size={batch} (raise data.max_bytes)")
-    return Data(tokenizer, PackedLoader(train_blocks, batch, cfg.train.seed),
-                fixed_batches(val_blocks, batch, cfg.train.eval_batches), train_blocks.numel())
+    info = describe(tokenizer)
+    # In-process: the texts are already in memory, and tokenizers' encode_batch uses every
+    # core on its own; no worker processes to spawn from inside a training job.
+    options = PrepareOptions(progress=False, workers=1)
+    out = {}
+    for split, texts in (("train", corpus.train), ("val", corpus.val)):
+        result = prepare_texts(texts, f"stdlib:{split}:{corpus.fingerprint}", info,
+                               run_dir / "data" / f"stdlib-{split}", options)
+        out[split] = ShardSet(result.out_dir, "train")
+    return info, [("stdlib", out["train"])], [("stdlib", out["val"])]
+
+
+def _prepared_shards(cfg: JobConfig, run_dir: Path):
+    dcfg = cfg.data
+    train = [(s.name, _open(f"data.sources '{s.name}'", s.path, s.split)) for s in dcfg.sources]
+    val = [(v.name, _open(f"data.val '{v.name}'", v.path, v.split)) for v in dcfg.val]
+    info = load_tokenizer(dcfg.tokenizer or dcfg.sources[0].path)
+    save_tokenizer(info, run_dir)  # the run directory is self-contained: sampling, export
+    if not val:
+        raise KilnError("data.val is empty: name at least one held-out set (e.g. the 'val' split "
+                        "that kiln prepare --val-fraction writes)")
+    return info, train, val
+
+
+def _open(key: str, path: str, split: str) -> ShardSet:
+    try:
+        return ShardSet(path, split)
+    except KilnError as e:
+        raise KilnError(f"{key}: {e}") from None
+
+
+def _stages(cfg: JobConfig, names: list[str], world_size: int) -> list[Stage]:
+    """Curriculum stages in global sample slots; one open-ended stage without a curriculum."""
+    base = np.asarray([next((s.weight for s in cfg.data.sources if s.name == n), 1.0)
+                       for n in names])
+    if not cfg.data.curriculum:
+        return [Stage(until=2**62, weights=base / base.sum())]
+    tcfg = cfg.train
+    tokens_per_step = tcfg.micro_batch_size * tcfg.grad_accum_steps * cfg.data.seq_len
+    total_steps = tcfg.max_steps or (tcfg.max_tokens // tokens_per_step if tcfg.max_tokens else None)
+    if not total_steps:
+        raise KilnError("data.curriculum is by training progress: set train.max_steps or "
+                        "train.max_tokens so the run's length is known")
+    slots_per_step = tcfg.grad_accum_steps * world_size * tcfg.micro_batch_size
+    stages = []
+    for stage in cfg.data.curriculum:
+        weights = (np.asarray([stage.weights.get(n, 0.0) for n in names])
+                   if stage.weights is not None else base)
+        # Stages end on optimizer-step boundaries, so all micro-batches of a step share one.
+        until = round(stage.until * total_steps) * slots_per_step
+        stages.append(Stage(until, weights / weights.sum(), stage.seq_len))
+    return stages

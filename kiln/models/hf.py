@@ -95,3 +95,41 @@ def to_hf_state_dict(state: dict, tie_embeddings: bool) -> dict:
     """Our state dict under HF names; a tied lm_head is left out, as HF checkpoints do."""
     return {to_hf_name(n): t for n, t in state.items()
             if not (tie_embeddings and n == "lm_head.weight")}
+
+
+def hf_config_from_model(cfg: ModelConfig, dtype: str = "bfloat16", eos_token_id: int | None = None,
+                         bos_token_id: int | None = None) -> dict:
+    """The Hugging Face config.json for our ModelConfig (the reverse of model_config_from_hf).
+
+    qk_norm -> Qwen3, qkv_bias -> Qwen2, otherwise Llama (which also serves Mistral's shape).
+    """
+    if cfg.qk_norm and cfg.qkv_bias:
+        raise KilnError("no Hugging Face architecture has both q/k/v bias and q/k norm "
+                        "(model.qkv_bias and model.qk_norm); cannot export this model")
+    kind, arch = (("qwen3", "Qwen3ForCausalLM") if cfg.qk_norm else
+                  ("qwen2", "Qwen2ForCausalLM") if cfg.qkv_bias else ("llama", "LlamaForCausalLM"))
+    hf = {
+        "architectures": [arch], "model_type": kind, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
+        "attention_dropout": 0.0, "use_cache": True, "torch_dtype": dtype,
+        "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
+    }
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        hf["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor,
+                              "low_freq_factor": s.low_freq_factor,
+                              "high_freq_factor": s.high_freq_factor,
+                              "original_max_position_embeddings": s.original_max_seq_len}
+    if kind == "llama":
+        hf.update(attention_bias=False, mlp_bias=False)
+    elif kind == "qwen2":
+        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    else:
+        hf.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
+                  max_window_layers=cfg.n_layers)
+    return hf

@@ -42,6 +42,13 @@ def peak_flops(device: torch.device, dtype: torch.dtype, configured_tflops: floa
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    # VmHWM is this process's own peak; ru_maxrss also counts the parent's when started by
+    # fork and exec (a launcher, a test runner, a benchmark), which can exceed ours.
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 

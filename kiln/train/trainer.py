@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_model
 from torch import nn
 
+from kiln.checkpoint.checkpointer import Checkpointer, Progress
+from kiln.checkpoint.hf_import import load_hf_weights
 from kiln.config import JobConfig
 from kiln.data.pipeline import Data, build_data
 from kiln.models.transformer import Transformer, count_parameters, flops_per_token
@@ -34,7 +36,11 @@ class TrainResult:
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
     peak_mem_mb: float = 0.0
+    start_step: int = 0
+    """The step this process started from: 0, or the checkpoint it resumed."""
     sample: str = ""
+    tokens_by_source: dict[str, int] = field(default_factory=dict)
+    """Training tokens read from each data source, over all ranks."""
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -51,8 +57,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list
     total = torch.zeros((), device=batches[0][0].device)
     for x, y in batches:
         with amp:
-            logits = model(x)
-        loss = cross_entropy_sum(logits, y) / n_targets
+            loss = model(x, y) / n_targets  # the model's fused head + loss: no full logits
         loss.backward()
         total += loss.detach()
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
@@ -67,8 +72,7 @@ def evaluate(model: nn.Module, batches: list, amp) -> float:
     loss_sum, count = 0.0, 0
     for x, y in batches:
         with amp:
-            logits = model(x)
-        loss_sum += cross_entropy_sum(logits, y).item()
+            loss_sum += model(x, y).item()
         count += int((y != IGNORE_INDEX).sum())
     model.train()
     return loss_sum / count
@@ -86,7 +90,8 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def train(cfg: JobConfig) -> TrainResult:
+def train(cfg: JobConfig, resume: str = "auto") -> TrainResult:
+    """Train as cfg says; resume: 'auto' (the newest committed checkpoint), 'none' or a path."""
     tcfg = cfg.train
     seed_everything(tcfg.seed)
     torch.set_num_threads(tcfg.num_threads or os.cpu_count() or 1)
@@ -95,11 +100,12 @@ def train(cfg: JobConfig) -> TrainResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml.tmp").write_text(cfg.to_yaml())
     (run_dir / "config.yaml.tmp").replace(run_dir / "config.yaml")
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
 
     data = build_data(cfg, run_dir)
     model = Transformer(cfg.model)
     model.init_weights(torch.Generator().manual_seed(tcfg.seed))
+    if cfg.model.init_from:
+        load_hf_weights(model, cfg.model.init_from)
     model = parallelize(model.to(device), tcfg)
     optimizer = build_optimizer(model, cfg.optim)
     tokens_per_step = tcfg.micro_batch_size * tcfg.grad_accum_steps * cfg.data.seq_len
@@ -110,23 +116,42 @@ def train(cfg: JobConfig) -> TrainResult:
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_flops(device, torch.bfloat16 if cfg.precision.dtype == "bf16" else torch.float32,
                       cfg.metrics.peak_tflops)
-    log = MetricsLog(run_dir / "metrics.jsonl", total_steps, cfg.metrics.progress_bar)
+    ckpt = Checkpointer(cfg, run_dir, model, optimizer, scheduler, data.train)
+    resumed = ckpt.restore(resume)
+    progress = resumed.progress if resumed else Progress()
+    if resumed is None:
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run; a resumed one appends
+    log = MetricsLog(run_dir / "metrics.jsonl", total_steps, cfg.metrics.progress_bar, progress.step)
+    if resumed:
+        log.log({"step": progress.step, "resumed_from": resumed.source,
+                 "config_changes": resumed.changes})
     print(f"kiln: {count_parameters(cfg.model) / 1e6:.1f}M parameters, {data.train_tokens:,} "
           f"training tokens, {tokens_per_step:,} tokens/step, device {device}, run dir {run_dir}",
           flush=True)
 
     result = TrainResult()
-    val_batches = [(x.to(device), y.to(device)) for x, y in data.val]
+    val_sets = {name: [(x.to(device), y.to(device)) for x, y in batches]
+                for name, batches in (data.val_sets or {"val": data.val}).items()}
 
     def run_eval(step: int) -> None:
-        val_loss = evaluate(model, val_batches, amp)
-        result.val_losses.append((step, val_loss))
-        log.log({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
+        record = {"step": step}
+        for i, (name, batches) in enumerate(val_sets.items()):
+            loss = evaluate(model, batches, amp)
+            if i == 0:  # the first set is the run's headline val_loss
+                result.val_losses.append((step, loss))
+                record.update(val_loss=loss, val_ppl=math.exp(min(loss, 50)))
+            if len(val_sets) > 1:
+                record.update({f"val/{name}_loss": loss, f"val/{name}_ppl": math.exp(min(loss, 50))})
+        log.log(record)
 
-    run_eval(0)
+    result.start_step = step = progress.step
+    result.tokens = progress.tokens
+    done = budget_spent(tcfg, step, result.tokens, progress.elapsed)
+    if resumed is None or done:
+        run_eval(step)
     start = window_start = time.perf_counter()
-    window_tokens, step = 0, 0
-    while True:
+    window_tokens = 0
+    while not done:
         batches = [tuple(t.to(device, non_blocking=True) for t in next(data.train))
                    for _ in range(tcfg.grad_accum_steps)]
         loss, grad_norm = train_step(model, optimizer, batches, amp, cfg.optim.grad_clip)
@@ -137,10 +162,8 @@ def train(cfg: JobConfig) -> TrainResult:
         window_tokens += tokens_per_step
         result.losses.append(loss)
         log.advance(1, loss)
-        elapsed = time.perf_counter() - start
-        done = ((tcfg.max_steps and step >= tcfg.max_steps)
-                or (tcfg.max_tokens and result.tokens >= tcfg.max_tokens)
-                or (tcfg.max_time and elapsed >= tcfg.max_time))
+        elapsed = progress.elapsed + time.perf_counter() - start
+        done = budget_spent(tcfg, step, result.tokens, elapsed)
         if step % tcfg.log_interval == 0 or done:
             now = time.perf_counter()
             tps = window_tokens / (now - window_start)
@@ -152,14 +175,23 @@ def train(cfg: JobConfig) -> TrainResult:
         if step % tcfg.eval_interval == 0 or done:
             run_eval(step)
             window_start = time.perf_counter()  # evaluation time is not training throughput
-        if done:
-            break
+        ckpt.maybe_save(Progress(step, result.tokens, elapsed), final=done)
 
+    ckpt.close()  # the last save, if it runs in the background, is waited for
     result.steps, result.peak_mem_mb = step, peak_memory_mb(device)
+    data.train.close()
+    result.tokens_by_source = data.train.tokens_by_source()
+    log.log({"step": step, "tokens_by_source": result.tokens_by_source})
     log.close()
     save_weights(model, run_dir)
     result.sample = sample(model, data, tcfg, amp, device)
     return result
+
+
+def budget_spent(tcfg, step: int, tokens: int, elapsed: float) -> bool:
+    return bool((tcfg.max_steps and step >= tcfg.max_steps)
+                or (tcfg.max_tokens and tokens >= tcfg.max_tokens)
+                or (tcfg.max_time and elapsed >= tcfg.max_time))
 
 
 def save_weights(model: nn.Module, run_dir) -> None:

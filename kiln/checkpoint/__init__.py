@@ -1,0 +1,1 @@
+"""Checkpoints: DCP save/resume on local, NFS or s3:// storage; Hugging Face import/export."""

@@ -1,0 +1,344 @@
+"""`kiln prepare`: raw documents -> token shards on disk, plus a manifest that describes them.
+
+A prepared directory holds, per split ("train", and "val" when a share is held out):
+`<split>-00000.bin` (the tokens, uint16 when the vocabulary fits, else uint32, each document
+followed by EOS), `<split>-00000.docs.npy` (the end offset of each document in that shard),
+optionally `<split>-00000.scores.npy` (a difficulty score per document), and `manifest.json`
+(shards, counts, the tokenizer's fingerprint and a sha256 of each shard). Everything is written
+into a hidden staging directory that is renamed into place only when complete, so a crash never
+leaves something that looks finished; a rerun on unchanged inputs finds the manifest and does
+nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kiln.data.sources import (Document, ReadStats, expand_inputs, local_cpu_count,
+                               read_documents)
+from kiln.data.tokenizer import TokenizerInfo, save_tokenizer
+from kiln.errors import KilnError
+
+MANIFEST = "manifest.json"
+FORMAT = "kiln-shards/1"
+_CHUNK_CHARS = 1 << 20  # documents are sent to workers in chunks of about this many characters
+
+
+@dataclass
+class PrepareOptions:
+    fmt: str = "auto"
+    """auto (by file suffix), text (one document per file), jsonl or parquet."""
+    text_field: str = "text"
+    """The JSONL field or Parquet column holding the text."""
+    score_field: str | None = None
+    """A numeric field/column stored per document, for a difficulty-ordered curriculum."""
+    skip_bad_records: bool = False
+    """Skip (and count) JSONL lines that are not JSON or lack the field, instead of stopping."""
+    shard_tokens: int = 100_000_000
+    """Start a new shard after this many tokens (documents are never split across shards)."""
+    val_fraction: float = 0.0
+    """Share of documents held out as the "val" split (chosen by a hash of the document's index)."""
+    workers: int | None = None
+    """Tokenizer processes; None means one per core (in-process for small inputs)."""
+    progress: bool = True
+    storage_options: dict = field(default_factory=dict)
+    """Passed to fsspec for URLs (e.g. endpoint_url for an S3-compatible store). Never saved."""
+
+
+@dataclass
+class PrepareResult:
+    out_dir: Path
+    manifest: dict
+    reused: bool
+    """True when the directory already held this exact output and nothing was done."""
+    stats: ReadStats
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def read_manifest(directory: str | Path) -> dict:
+    """The manifest of a finished prepare; a KilnError for anything else."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        partial = any(Path(directory).parent.glob(f".{Path(directory).name}.partial*"))
+        hint = (" (a partial output from an interrupted prepare exists; rerun kiln prepare)"
+                if partial else "")
+        raise KilnError(f"{directory} is not a prepared shard directory: no {MANIFEST}{hint}")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise KilnError(f"{path}, line {e.lineno}: not valid JSON ({e.msg})") from None
+    if manifest.get("format") != FORMAT:
+        raise KilnError(f"{path}: unknown format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def prepare(inputs: list[str], tokenizer: TokenizerInfo, out_dir: str | Path,
+            options: PrepareOptions | None = None) -> PrepareResult:
+    """Tokenize files, globs or URLs into shards in out_dir; a no-op when already done."""
+    options = options or PrepareOptions()
+    files = expand_inputs(inputs, options.storage_options)
+    key = {"inputs": [[f.url, f.size, f.stamp] for f in files],
+           **_key_options(tokenizer, options)}
+    stats = ReadStats()
+    total_bytes = sum(f.size for f in files)
+    bar = _progress(options.progress, total_bytes)
+
+    def documents() -> Iterator[Document]:
+        for f in files:
+            before = stats.documents + stats.bad_records
+            yield from read_documents(f, options.fmt, options.text_field, options.score_field,
+                                      options.skip_bad_records, stats, options.storage_options)
+            if stats.documents + stats.bad_records == before:
+                raise KilnError(f"input file {f.url} holds no documents")
+            bar.update(f.size)
+
+    try:
+        return prepare_documents(documents(), key, tokenizer, out_dir, options, stats, total_bytes)
+    finally:
+        bar.close()
+
+
+def _key_options(tokenizer: TokenizerInfo, options: PrepareOptions) -> dict:
+    return {"tokenizer": tokenizer.fingerprint, "bos_id": tokenizer.bos_id,
+            "eos_id": tokenizer.eos_id, "format": options.fmt, "text_field": options.text_field,
+            "score_field": options.score_field, "skip_bad_records": options.skip_bad_records,
+            "shard_tokens": options.shard_tokens, "val_fraction": options.val_fraction}
+
+
+def prepare_texts(texts: list[str], source_fingerprint: str, tokenizer: TokenizerInfo,
+                  out_dir: Path, options: PrepareOptions | None = None) -> PrepareResult:
+    """Shards from documents already in memory (the stdlib corpus), keyed by their fingerprint."""
+    options = options or PrepareOptions()
+    key = {"inputs": source_fingerprint, **_key_options(tokenizer, options)}
+    stats = ReadStats(documents=len(texts))
+    return prepare_documents((Document(t) for t in texts), key, tokenizer, out_dir, options,
+                             stats, sum(len(t) for t in texts))
+
+
+def prepare_documents(documents: Iterable[Document], key: dict, tokenizer: TokenizerInfo,
+                      out_dir: str | Path, options: PrepareOptions, stats: ReadStats,
+                      total_bytes: int) -> PrepareResult:
+    out_dir = Path(out_dir)
+    key_hash = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    if _is_complete(out_dir, key_hash):
+        return PrepareResult(out_dir, read_manifest(out_dir), True, stats)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.parent / f".{out_dir.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)  # what an earlier crash left behind
+    staging.mkdir()
+    try:
+        dtype = token_dtype(tokenizer.vocab_size)
+        writers = {split: _ShardWriter(staging, split, dtype, options.shard_tokens,
+                                       options.score_field is not None)
+                   for split in ("train", "val")}
+        index = 0
+        for chunk, tokens in _tokenize(documents, tokenizer, options.workers, total_bytes):
+            for doc, ids in zip(chunk, tokens):
+                writers[_split(index, options.val_fraction)].add(ids, doc.score)
+                index += 1
+        if index == 0:
+            raise KilnError("the inputs hold no documents")
+        splits = {split: w.finish() for split, w in writers.items()}
+        manifest = {
+            "format": FORMAT, "key": key_hash, "dtype": dtype.name,
+            "tokenizer": {"fingerprint": tokenizer.fingerprint,
+                          "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
+                          "bos_id": tokenizer.bos_id},
+            "options": {k: v for k, v in asdict(options).items()
+                        if k not in ("storage_options", "progress", "workers")},
+            "inputs": key["inputs"] if isinstance(key["inputs"], list) else None,
+            "bad_records": stats.bad_records,
+            "splits": splits,
+        }
+        save_tokenizer(tokenizer, staging)
+        _write_json(staging / MANIFEST, manifest)
+        _swap_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # an error leaves nothing half-written
+        raise
+    return PrepareResult(out_dir, manifest, False, stats)
+
+
+def _is_complete(out_dir: Path, key_hash: str) -> bool:
+    try:
+        manifest = json.loads((out_dir / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if manifest.get("key") != key_hash:
+        return False
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    return all((out_dir / s["file"]).is_file()
+               and (out_dir / s["file"]).stat().st_size == s["tokens"] * itemsize
+               for split in manifest["splits"].values() for s in split["shards"])
+
+
+def _swap_into_place(staging: Path, out_dir: Path) -> None:
+    old = out_dir.parent / f".{out_dir.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists():
+        out_dir.rename(old)
+    staging.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    tmp.replace(path)
+
+
+def _split(index: int, val_fraction: float) -> str:
+    # A multiplicative hash of the document's position: stable, cheap, spread evenly.
+    bucket = ((index + 1) * 0x9E3779B97F4A7C15 % (1 << 64)) / (1 << 64)
+    return "val" if bucket < val_fraction else "train"
+
+
+def _progress(enabled: bool, total: int):
+    """A bar over input bytes, advanced as each file is read (on a terminal only)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc="kiln prepare", file=sys.stderr,
+                disable=not (enabled and sys.stderr.isatty()))
+
+
+class _ShardWriter:
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int,
+                 with_scores: bool):
+        self.directory, self.split, self.dtype = directory, split, dtype
+        self.shard_tokens, self.with_scores = shard_tokens, with_scores
+        self.shards: list[dict] = []
+        self._file = None
+
+    def _open(self) -> None:
+        self._name = f"{self.split}-{len(self.shards):05d}"
+        self._file = open(self.directory / f"{self._name}.bin", "wb")
+        self._hash, self._tokens, self._ends, self._scores = hashlib.sha256(), 0, [], []
+
+    def add(self, ids: np.ndarray, score: float | None) -> None:
+        if self._file is None:
+            self._open()
+        data = ids.astype(self.dtype, copy=False).tobytes()
+        self._file.write(data)
+        self._hash.update(data)
+        self._tokens += len(ids)
+        self._ends.append(self._tokens)
+        self._scores.append(score)
+        if self._tokens >= self.shard_tokens:
+            self._close()
+
+    def _close(self) -> None:
+        self._file.close()
+        self._file = None
+        entry = {"file": f"{self._name}.bin", "tokens": self._tokens,
+                 "documents": len(self._ends), "sha256": self._hash.hexdigest(),
+                 "docs": f"{self._name}.docs.npy"}
+        np.save(self.directory / entry["docs"], np.asarray(self._ends, dtype=np.int64))
+        if self.with_scores:
+            entry["scores"] = f"{self._name}.scores.npy"
+            np.save(self.directory / entry["scores"], np.asarray(self._scores, dtype=np.float32))
+        self.shards.append(entry)
+
+    def finish(self) -> dict:
+        if self._file is not None:
+            self._close()
+        return {"tokens": sum(s["tokens"] for s in self.shards),
+                "documents": sum(s["documents"] for s in self.shards), "shards": self.shards}
+
+
+# Tokenization: chunks of documents go to worker processes, results come back in order, so
+# the output is the same whatever the number of workers.
+
+def _chunks(documents: Iterable[Document]) -> Iterator[list[Document]]:
+    chunk, size = [], 0
+    for doc in documents:
+        chunk.append(doc)
+        size += len(doc.text)
+        if size >= _CHUNK_CHARS:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+_worker_tokenizer: TokenizerInfo | None = None
+
+
+def _init_worker(info: dict) -> None:
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(info.pop("json"))
+    _worker_tokenizer = TokenizerInfo(tok, **info)
+
+
+def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    return _encode_with(_worker_tokenizer, texts)
+
+
+def _encode_with(tokenizer: TokenizerInfo, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """All documents' ids in one flat array, and each one's length: cheap to send between processes."""
+    docs = tokenizer.encode_documents(texts)
+    lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
+    return np.fromiter((i for ids in docs for i in ids), dtype=np.uint32,
+                       count=int(lengths.sum())), lengths
+
+
+def _split_docs(flat: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    return np.split(flat, np.cumsum(lengths)[:-1])
+
+
+def _tokenize(documents: Iterable[Document], tokenizer: TokenizerInfo, workers: int | None,
+              total_bytes: int) -> Iterator[tuple[list[Document], list[np.ndarray]]]:
+    if workers is None:
+        workers = 1 if total_bytes < 4 * _CHUNK_CHARS else local_cpu_count()
+    if workers <= 1:
+        for chunk in _chunks(documents):
+            yield chunk, _split_docs(*_encode_with(tokenizer, [d.text for d in chunk]))
+        return
+    info = {"json": tokenizer.tokenizer.to_str(), "eos_id": tokenizer.eos_id,
+            "bos_id": tokenizer.bos_id, "chat_template": tokenizer.chat_template,
+            "fingerprint": tokenizer.fingerprint}
+    # spawn, not fork: the parent may hold torch and tokenizers thread pools
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(info,)) as pool:
+        pending: list = []
+        for chunk in _chunks(documents):
+            pending.append((chunk, pool.apply_async(_encode, ([d.text for d in chunk],))))
+            if len(pending) >= 2 * workers:  # bounded: inputs may be far larger than memory
+                done_chunk, result = pending.pop(0)
+                yield done_chunk, _split_docs(*result.get())
+        for done_chunk, result in pending:
+            yield done_chunk, _split_docs(*result.get())
+
+
+def train_tokenizer(inputs: list[str], vocab_size: int, out_dir: str | Path,
+                    options: PrepareOptions | None = None) -> TokenizerInfo:
+    """`kiln tokenizer train`: a byte-level BPE on the inputs' documents, saved to out_dir."""
+    from kiln.data.tokenizer import describe, train_bpe
+
+    options = options or PrepareOptions()
+    stats = ReadStats()
+    texts = (doc.text for f in expand_inputs(inputs, options.storage_options)
+             for doc in read_documents(f, options.fmt, options.text_field, None,
+                                       options.skip_bad_records, stats, options.storage_options))
+    tokenizer = train_bpe(texts, vocab_size)
+    if stats.documents == 0:
+        raise KilnError("the inputs hold no documents to train a tokenizer on")
+    info = describe(tokenizer)
+    save_tokenizer(info, Path(out_dir))
+    return info

@@ -1,0 +1,131 @@
+"""Prepared shards, memory-mapped (never loaded whole), seen as fixed-length packed samples.
+
+A split's shards form one token stream: documents joined by EOS, in prepared order. Sample i
+is the window stream[i * seq_len : i * seq_len + seq_len + 1] (inputs are its first seq_len
+tokens, targets its last seq_len), so every token is a target exactly once per epoch and a
+sample may run across documents and shards. With `order="difficulty"` the stream is the
+documents sorted by their prepared score, easiest first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from kiln.data.prepare import read_manifest
+from kiln.errors import KilnError
+
+
+class ShardSet:
+    """One split ("train", "val") of a directory written by `kiln prepare`."""
+
+    def __init__(self, directory: str | Path, split: str = "train"):
+        self.directory = Path(directory)
+        self.manifest = read_manifest(self.directory)
+        if split not in self.manifest["splits"]:
+            raise KilnError(f"{self.directory} has no split {split!r} "
+                            f"(it has: {', '.join(self.manifest['splits'])})")
+        self.split = split
+        self.dtype = np.dtype(self.manifest["dtype"])
+        self.shards = self.manifest["splits"][split]["shards"]
+        counts = [s["tokens"] for s in self.shards]
+        self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self.total_tokens = int(self.starts[-1])
+        self._maps: dict[int, np.ndarray] = {}
+        for s in self.shards:
+            path = self.directory / s["file"]
+            expected = s["tokens"] * self.dtype.itemsize
+            size = path.stat().st_size if path.is_file() else None
+            if size != expected:
+                found = "is missing" if size is None else f"has {size} bytes"
+                raise KilnError(f"shard {path} {found}, but {self.directory / 'manifest.json'} "
+                                f"says {expected}: rerun kiln prepare")
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        return self.manifest["tokenizer"]["fingerprint"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.manifest["tokenizer"]["vocab_size"]
+
+    def shard(self, i: int) -> np.ndarray:
+        if i not in self._maps:
+            self._maps[i] = np.memmap(self.directory / self.shards[i]["file"], dtype=self.dtype,
+                                      mode="r", shape=(self.shards[i]["tokens"],))
+        return self._maps[i]
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """stream[start : start + length], gathered across shard boundaries."""
+        out = np.empty(length, dtype=np.int64)
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        done = 0
+        while done < length:
+            offset = start + done - int(self.starts[i])
+            piece = self.shard(i)[offset: offset + length - done]
+            out[done: done + len(piece)] = piece
+            done += len(piece)
+            i += 1
+        return out
+
+    def documents(self) -> tuple[np.ndarray, np.ndarray]:
+        """(start, length) in the stream of every document, in prepared order."""
+        starts, lengths = [], []
+        for i, s in enumerate(self.shards):
+            ends = np.load(self.directory / s["docs"]).astype(np.int64)
+            begin = np.concatenate([[0], ends[:-1]])
+            starts.append(begin + self.starts[i])
+            lengths.append(ends - begin)
+        return np.concatenate(starts), np.concatenate(lengths)
+
+    def scores(self) -> np.ndarray:
+        if any("scores" not in s for s in self.shards):
+            raise KilnError(f"{self.directory} was prepared without difficulty scores: rerun "
+                            "kiln prepare with --score-field to order documents by difficulty")
+        return np.concatenate([np.load(self.directory / s["scores"]) for s in self.shards])
+
+    def verify(self) -> None:
+        """Recompute each shard's sha256 against the manifest (reads everything: slow, thorough)."""
+        for s in self.shards:
+            digest = hashlib.sha256()
+            with open(self.directory / s["file"], "rb") as f:
+                while block := f.read(1 << 24):
+                    digest.update(block)
+            if digest.hexdigest() != s["sha256"]:
+                raise KilnError(f"shard {self.directory / s['file']} does not match the sha256 in "
+                                "its manifest: it was changed or damaged; rerun kiln prepare")
+
+
+class PackedSamples:
+    """Random access to the packed samples of a ShardSet: `len()` and `sample(i)`."""
+
+    def __init__(self, shards: ShardSet, seq_len: int, order: str = "shuffle"):
+        self.shards, self.seq_len, self.order = shards, seq_len, order
+        self._doc_start = self._doc_cum = None
+        if order == "difficulty":
+            starts, lengths = shards.documents()
+            ranked = np.argsort(shards.scores(), kind="stable")
+            self._doc_start = starts[ranked]
+            self._doc_cum = np.concatenate([[0], np.cumsum(lengths[ranked])])
+        self.n = max(0, (shards.total_tokens - 1) // seq_len)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def sample(self, i: int) -> np.ndarray:
+        start = i * self.seq_len
+        if self._doc_cum is None:
+            return self.shards.read(start, self.seq_len + 1)
+        # Difficulty order: gather the window from the documents in ranked order.
+        out, done = [], 0
+        d = int(np.searchsorted(self._doc_cum, start, side="right")) - 1
+        while done < self.seq_len + 1:
+            offset = start + done - int(self._doc_cum[d])
+            take = min(int(self._doc_cum[d + 1] - self._doc_cum[d]) - offset,
+                       self.seq_len + 1 - done)
+            out.append(self.shards.read(int(self._doc_start[d]) + offset, take))
+            done += take
+            d += 1
+        return np.concatenate(out)
