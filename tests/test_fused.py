@@ -78,6 +78,18 @@ def test_linear_cross_entropy_matches_reference_with_ignored_targets(chunk_eleme
         torch.testing.assert_close(fused(hidden, weight), expected)
 
 
+def test_linear_cross_entropy_does_no_gradient_work_under_no_grad():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden, weight = leaf(3, 40, 16, dtype=torch.float32), leaf(50, 16, dtype=torch.float32, seed=1)
+    targets = torch.randint(0, 50, (3, 40), generator=torch.Generator().manual_seed(3))
+    logits_flops = 2 * 3 * 40 * 16 * 50
+    for grad_enabled, expected in ((False, logits_flops), (True, 3 * logits_flops)):
+        with torch.set_grad_enabled(grad_enabled), FlopCounterMode(display=False) as counter:
+            linear_cross_entropy(hidden, weight, targets, chunk_elements=50 * 32)
+        assert counter.get_total_flops() == expected
+
+
 def test_linear_cross_entropy_under_bf16_autocast_is_close_and_keeps_fp32_grads():
     hidden, weight = leaf(4, 64, 32, dtype=torch.float32), leaf(300, 32, dtype=torch.float32, seed=1)
     targets = torch.randint(0, 300, (4, 64), generator=torch.Generator().manual_seed(3))

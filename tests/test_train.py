@@ -74,7 +74,7 @@ def test_schedules():
 
 
 def test_training_run_loss_falls_and_writes_run_dir(tmp_path):
-    cfg = tiny_job(tmp_path)
+    cfg = tiny_job(tmp_path, train={"max_steps": 100, "eval_interval": 50})
     result = train(cfg)
     first, last = result.val_losses[0][1], result.val_losses[-1][1]
     assert first == pytest.approx(math.log(512), rel=0.05)  # untrained: ~uniform over the vocab
@@ -84,7 +84,7 @@ def test_training_run_loss_falls_and_writes_run_dir(tmp_path):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train_lines = [r for r in records if "loss" in r]
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb"} <= set(train_lines[0])
-    assert [r["step"] for r in train_lines] == [20, 40, 60]
+    assert [r["step"] for r in train_lines] == [20, 40, 60, 80, 100]
     assert any("val_ppl" in r for r in records)
     weights = load_file(run / "model.safetensors")
     assert weights["blocks.1.mlp.down.weight"].shape == (64, 160)

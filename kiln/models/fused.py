@@ -84,16 +84,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                ignore_index: int, chunk_rows: int) -> torch.Tensor:
+                ignore_index: int, chunk_rows: int, grad_enabled: bool) -> torch.Tensor:
         device = hidden.device.type
         # Under autocast, compute the matmuls in the autocast dtype, as autograd's path would.
         dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
                  else hidden.dtype)
         h, w = hidden.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype)
         targets = targets.reshape(-1)
-        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        # needs_input_grad says True under torch.no_grad too: evaluation must not pay for grads.
+        want_h, want_w = (grad_enabled and n for n in ctx.needs_input_grad[:2])
+        needs_grad = want_h or want_w
+        grad_h = torch.empty_like(h) if want_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with torch.autocast(device, enabled=False):
             for start in range(0, h.shape[0], chunk_rows):
@@ -126,7 +128,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h = (grad_h * grad_loss.to(grad_h.dtype)).view(ctx.shape).to(ctx.dtypes[0])
         if grad_w is not None:
             grad_w = (grad_w * grad_loss).to(ctx.dtypes[1])
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -137,4 +139,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     ignore_index=ignore_index, reduction="sum"), holding at most chunk_elements logits at once.
     """
     chunk_rows = max(64, chunk_elements // weight.shape[0])
-    return _LinearCrossEntropy.apply(hidden, weight, targets, ignore_index, chunk_rows)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, ignore_index, chunk_rows,
+                                     torch.is_grad_enabled())
