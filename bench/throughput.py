@@ -74,19 +74,21 @@ def rss_mb(field: str) -> float:
 
 def run_kiln(precision: str, compile: bool, warmup: int, steps: int) -> tuple[list, float]:
     """kiln's own step: Transformer, parallelize (compile per block), fused AdamW, autocast."""
-    from kiln.config import OptimConfig, PrecisionConfig, ScheduleConfig, TrainConfig
+    from kiln.config import JobConfig, OptimConfig, PrecisionConfig, ScheduleConfig, TrainConfig
     from kiln.models.transformer import Transformer
     from kiln.parallel import parallelize
     from kiln.train.optim import build_optimizer
     from kiln.train.precision import autocast
     from kiln.train.schedule import lr_multiplier
+    from kiln.data.batch import Batch
+    from kiln.tasks.pretrain import Pretrain
     from kiln.train.trainer import train_step
 
     data = tokens(warmup + steps)
     torch.manual_seed(SEED)
     model = Transformer(model_config())
-    model.init_weights(torch.Generator().manual_seed(SEED))
-    model = parallelize(model, TrainConfig(compile=compile, num_threads=THREADS))
+    model.init_weights(SEED)
+    model = parallelize(model, None, JobConfig(train=TrainConfig(compile=compile, num_threads=THREADS)))
     ocfg = OptimConfig()
     optimizer = build_optimizer(model, ocfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -95,10 +97,10 @@ def run_kiln(precision: str, compile: bool, warmup: int, steps: int) -> tuple[li
     step_ends, losses = [], []
     for i in range(warmup + steps):
         rows = data[i * BATCH:(i + 1) * BATCH]
-        loss, _ = train_step(model, optimizer, [(rows[:, :-1], rows[:, 1:])], amp, ocfg.grad_clip)
+        loss, _ = train_step(model, optimizer, Pretrain().loss_sum, [Batch(rows[:, :-1], rows[:, 1:])], amp, ocfg.grad_clip)
         scheduler.step()
         step_ends.append((time.perf_counter(), time.process_time()))
-        losses.append(loss)
+        losses.append(float(loss))
     return step_ends, statistics.mean(losses)
 
 

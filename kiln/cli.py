@@ -136,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
             _hf_command(args)
             return 0
         cfg = load_config(args.config, args.overrides)
+        if cfg.model.init_from:  # the shape comes from the directory's config.json
+            from kiln.checkpoint.hf_import import resolve_init_from
+
+            cfg = resolve_init_from(cfg)
         if args.command == "config":
             print(cfg.to_yaml(), end="")
         elif args.command == "train":

@@ -29,14 +29,14 @@ from kiln.checkpoint.checkpointer import Checkpointer, Progress
 from kiln.config import JobConfig
 from kiln.models.transformer import Transformer
 from kiln.train.optim import param_groups
-from kiln.train.trainer import cross_entropy_sum
+from kiln.train.loss import cross_entropy_sum
 
 dist.init_process_group("gloo")
 torch.set_num_threads(1)
 cfg = JobConfig.model_validate(json.loads(sys.argv[1]))
 model = Transformer(cfg.model)
-model.init_weights(torch.Generator().manual_seed(0))
-for block in model.blocks:
+model.init_weights(0)
+for block in model.layers.values():
     fully_shard(block)
 fully_shard(model)
 optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, foreach=True)  # DTensor params

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from kiln.checkpoint.storage import Committed, Storage, is_url, redact
 from kiln.config import JobConfig
 from kiln.errors import KilnError
+from kiln.parallel.mesh import rank_world
 
 # DCP warns on every call without a process group; one process is a case we mean to support.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -53,12 +54,6 @@ class Resumed:
     source: str
     changes: dict
     """Config fields that differ from the checkpoint's: {'optim.lr': [old, new], ...}."""
-
-
-def rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def rng_state() -> dict:
@@ -256,17 +251,10 @@ class Checkpointer:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         train = state["train"]
-        self.scheduler.load_state_dict(train["scheduler"])
         for group, h in zip(self.optimizer.param_groups, hyper):
             group.update(h)
-        # The LR at this step under this run's schedule: bit-identical to what LambdaLR would
-        # have set had the run not stopped, and right after a change of optim.lr or max_steps.
-        self.scheduler.base_lrs = [h["initial_lr"] for h in hyper]
-        lrs = [base * fn(self.scheduler.last_epoch)
-               for base, fn in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas)]
-        for group, lr in zip(self.optimizer.param_groups, lrs):
-            group["lr"] = lr
-        self.scheduler._last_lr = lrs
+        # The schedule's state is its step; the LR at that step comes from this run's config.
+        self.scheduler.load_state_dict(train["scheduler"])
         set_rng_state(state[rank_key]["rng"])
         self.loader.load_state_dict(state[rank_key]["data"])
         self.last_saved = train["step"]

@@ -90,8 +90,6 @@ def _read_source(source: str, endpoint_url: str | None) -> tuple[ModelConfig, di
 
 def _job(text: str, where: str) -> JobConfig:
     raw = yaml.safe_load(text)
-    # The shape is spelled out in the saved job; the directory it came from may be gone.
-    raw.get("model", {}).pop("init_from", None)
     try:
         return JobConfig.model_validate(raw)
     except ValueError as e:
