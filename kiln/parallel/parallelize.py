@@ -52,14 +52,12 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: JobConfig) -> None:
     plain data parallel when dp_shard is 1, fully sharded when dp_replicate is 1."""
     pcfg = cfg.parallel
     bf16 = cfg.precision.dtype == "bf16"
-    # Gradients are summed, not averaged, over ranks: the loss is already divided by the
-    # global count of targets, so the sum is the gradient of one big batch.
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy() if pcfg.cpu_offload else None
     kwargs = dict(mesh=dp_mesh, mp_policy=mp, **({"offload_policy": offload} if offload else {}))
     for block in model.layers.values():
         fully_shard(block, reshard_after_forward=pcfg.reshard_after_forward, **kwargs)
+    # FSDP2 averages gradients over the data-parallel ranks; the trainer scales each rank's
+    # loss by their number so the average is the sum, the gradient of the whole batch.
+    # (set_gradient_divide_factor(1) would say it directly, but needs PREMUL_SUM: not on gloo.)
     fully_shard(model, **kwargs)
-    for module in model.modules():
-        if hasattr(module, "set_gradient_divide_factor"):
-            module.set_gradient_divide_factor(1.0)
