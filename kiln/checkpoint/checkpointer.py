@@ -163,10 +163,18 @@ class Checkpointer:
         self._commit(step)
 
     def _commit(self, step: int) -> None:
-        # Rank 0's save returns only after every rank's files are written (DCP gathers their
-        # write results before it writes .metadata), so rank 0 alone can commit.
+        # Each rank hashes the files it wrote (DCP names them __<rank>_<n>.distcp); rank 0
+        # gathers the lists and writes the marker, last, once every rank's files are there.
+        mine = self.storage.describe_files(step, f"__{self.rank}_")
+        if self.group is not None:
+            gathered = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(mine, gathered, dst=0, group=self.group)
+        else:
+            gathered = [mine]
         if self.rank == 0:
-            self.storage.commit(step, {"world_size": self.world})
+            files = {name: meta for part in gathered for name, meta in part.items()}
+            others = self.storage.describe_files(step, exclude_prefix="__")  # .metadata, job.yaml, ...
+            self.storage.commit(step, {"world_size": self.world}, {**files, **others})
             self.storage.apply_retention(step, self.ccfg.keep_last, self.ccfg.keep_every)
 
     def wait(self) -> None:
@@ -185,9 +193,23 @@ class Checkpointer:
 
     def restore(self, resume: str) -> Resumed | None:
         """Load the checkpoint `resume` names ('auto': the newest committed, 'none', or a path)."""
-        committed, storage = self._choose(resume)
+        # Rank 0 chooses (and re-hashes the files it verifies); the others take its choice
+        # instead of every rank reading every file again.
+        choice = [None, None]
+        if self.rank == 0:
+            try:
+                committed, storage = self._choose(resume)
+                choice = [committed, storage.root if committed else None]
+            except KilnError as e:
+                choice = [e, None]
+        if self.group is not None:
+            dist.broadcast_object_list(choice, src=0, group=self.group)
+        committed, root = choice
+        if isinstance(committed, KilnError):
+            raise committed
         if committed is None:
             return None
+        storage = self.storage if root == self.storage.root else Storage(root, self.ccfg.endpoint_url)
         progress = self._load(committed, storage)
         changes = self._config_changes(storage, committed.step)
         return Resumed(progress, redact(committed.url), changes)

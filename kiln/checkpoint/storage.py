@@ -188,16 +188,27 @@ class Storage:
         else:  # an object PUT is atomic: it appears whole or not at all
             retry(lambda: self.fs.pipe_file(path, data))
 
-    def commit(self, step: int, extra: dict) -> Committed:
-        """Hash what is in the step's directory and write the marker, last."""
+    def describe_files(self, step: int, prefix: str = "", exclude_prefix: str | None = None) -> dict:
+        """{name: {size, sha256}} of the step's files whose names start with prefix."""
         path = self._step_path(step)
         self.fs.invalidate_cache()
         entries = retry(lambda: self.fs.ls(path, detail=True))
         files = {}
         for e in entries:
             name = e["name"].rstrip("/").rsplit("/", 1)[-1]
-            if name != MARKER and not name.endswith(".tmp") and e.get("type") == "file":
-                files[name] = {"size": e["size"], "sha256": retry(lambda: self._sha256(e["name"]))}
+            if (name == MARKER or name.endswith(".tmp") or e.get("type") != "file"
+                    or not name.startswith(prefix)
+                    or (exclude_prefix and name.startswith(exclude_prefix))):
+                continue
+            files[name] = {"size": e["size"], "sha256": retry(lambda: self._sha256(e["name"]))}
+        return files
+
+    def commit(self, step: int, extra: dict, files: dict | None = None) -> Committed:
+        """Write the marker, last: the files (as describe_files gives them; default: hash
+        everything in the step's directory) plus `extra`."""
+        path = self._step_path(step)
+        if files is None:
+            files = self.describe_files(step)
         marker = {"step": step, "files": files, "time": time.time(), **extra}
         self._put(f"{path}/{MARKER}", json.dumps(marker, indent=1).encode())
         if self.local:
