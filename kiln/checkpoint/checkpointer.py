@@ -25,7 +25,8 @@ from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_d
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from kiln.checkpoint.storage import Committed, Storage, is_url, redact
+from kiln.checkpoint.storage import Committed, Storage
+from kiln.urls import is_url, redact
 from kiln.config import JobConfig
 from kiln.errors import KilnError
 from kiln.parallel.mesh import rank_world

@@ -16,7 +16,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from kiln.checkpoint.checkpointer import JOB_FILE, TOKENIZER_FILES, find_checkpoint, reader_for
-from kiln.checkpoint.storage import is_url, redact
+from kiln.urls import is_url, redact
 from kiln.config import JobConfig, ModelConfig
 from kiln.errors import KilnError
 from kiln.models.hf import hf_config_from_model, to_hf_state_dict

@@ -16,25 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 from kiln.errors import KilnError
+from kiln.urls import is_url, redact
 
 MARKER = "COMMITTED.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 T = TypeVar("T")
-
-
-def is_url(path: str) -> bool:
-    return "://" in str(path) and not str(path).startswith("file://")
-
-
-def redact(url: str) -> str:
-    """The URL without any user:password@ part, for messages and logs."""
-    parts = urlsplit(str(url))
-    if parts.username or parts.password:
-        return urlunsplit(parts._replace(netloc=parts.hostname or ""))
-    return str(url)
 
 
 def storage_options(url: str, endpoint_url: str | None) -> dict:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.errors import KilnError
+from kiln.urls import is_url
 
 FORMATS = ("auto", "text", "jsonl", "parquet")
 _SUFFIXES = {".txt": "text", ".text": "text", ".md": "text", ".py": "text",
@@ -46,10 +47,6 @@ class ReadStats:
 def _known(name: str) -> bool:
     """A file a directory listing picks up: a known suffix, possibly compressed (a.jsonl.gz)."""
     return any(suffix in _SUFFIXES for suffix in Path(name).suffixes)
-
-
-def is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
 
 
 def _fs(url: str, storage_options: dict | None = None):
