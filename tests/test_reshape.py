@@ -2,20 +2,15 @@
 FSDP2 resharding, swapped-in modules (adapters), pipeline stages, global token counts."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from conftest import ROOT, torchrun
 from kiln.config import ModelConfig
 from kiln.models.transformer import Transformer
 
-ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=96, dim=64, n_layers=4, n_heads=4, n_kv_heads=2,
                   intermediate_size=160, max_seq_len=64)
 
@@ -70,18 +65,7 @@ def test_a_pipeline_stage_made_by_dropping_layers_keeps_names_and_composes():
 
 def test_tensor_parallel_fsdp_and_global_token_count_on_two_ranks(tmp_path):
     result = tmp_path / "result.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "tests/workers/reshape_worker.py"), str(result)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    try:
-        output, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output[-3000:]
+    torchrun([str(ROOT / "tests/workers/reshape_worker.py"), str(result)])
     out = json.loads(result.read_text())
     # Tensor parallel: the plan applies (weights are DTensors) and gives the unsharded block.
     assert out["tp_sharded"]
