@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kiln.config import load_config
 from kiln.errors import KilnError
+from kiln.launch.process_group import env_rank_world, rank_label
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,6 +25,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", default="auto", metavar="auto|none|PATH",
                        help="auto (default): continue from the run's newest committed checkpoint; "
                             "none: start fresh; PATH: a step-NNNNNN checkpoint directory or URL")
+    train.add_argument("--nproc", type=int, metavar="N",
+                       help="run on N processes of this machine (kiln calls torchrun for you); "
+                            "the layout comes from the config's parallel section")
     export = commands.add_parser("export-hf", help="write a Hugging Face model directory")
     export.add_argument("source", help="a run directory, a checkpoint root, or a step-NNNNNN checkpoint")
     export.add_argument("out", help="the directory to create")
@@ -127,6 +131,7 @@ def _hf_command(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     try:
         if args.command in ("prepare", "tokenizer"):
@@ -143,9 +148,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             print(cfg.to_yaml(), end="")
         elif args.command == "train":
-            from kiln.train.trainer import train  # torch is slow to import; only when needed
+            if args.nproc and args.nproc > 1 and env_rank_world()[1] == 1:
+                from kiln.launch.torchrun import run_torchrun, strip_nproc
 
-            result = train(cfg, resume=args.resume)
+                return run_torchrun(args.nproc, strip_nproc(argv))
+            # torch is slow to import; only when needed
+            from kiln.launch.process_group import process_group
+            from kiln.train.build import check_layout
+            from kiln.train.trainer import train
+
+            _, device_type = check_layout(cfg, env_rank_world()[1])  # before any process group
+            with process_group(device_type):
+                result = train(cfg, resume=args.resume)
+            if env_rank_world()[0] != 0:
+                return 0
             first, last = result.val_losses[0][1], result.val_losses[-1][1]
             print(f"kiln: {result.steps} steps, {result.tokens:,} tokens; validation loss "
                   f"{first:.3f} -> {last:.3f} ({100 * (1 - last / first):.0f}% lower); "
@@ -158,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             if result.sample:
                 print(f"--- sample ---\n{result.sample}\n--------------")
     except KilnError as e:
-        print(f"kiln: error: {e}", file=sys.stderr)
+        print(f"kiln: error{rank_label()}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)

@@ -95,19 +95,26 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
     if layout.world_size == 1:
         return None
     mesh = init_device_mesh(device_type, tuple(getattr(layout, d) for d in DIMS), mesh_dim_names=DIMS)
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    dp_mesh(mesh)
     return mesh
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The flattened (dp_replicate x dp_shard) dimension. `_flatten` returns the same mesh on
+    every call; slicing "dp" from the root mesh instead is deprecated."""
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
 
 def dp_group(mesh: DeviceMesh | None):
     """The process group of this rank's data-parallel peers, or None in one process."""
-    return None if mesh is None else mesh["dp"].get_group()
+    return None if mesh is None else dp_mesh(mesh).get_group()
 
 
 def dp_rank_size(mesh: DeviceMesh | None) -> tuple[int, int]:
     if mesh is None:
         return 0, 1
-    return mesh["dp"].get_local_rank(), mesh["dp"].size()
+    dp = dp_mesh(mesh)
+    return dp.get_local_rank(), dp.size()
 
 
 def device_for_rank(device_type: str) -> torch.device:

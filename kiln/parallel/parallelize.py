@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from kiln.config import JobConfig
+from kiln.parallel.mesh import dp_mesh
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh | None, cfg: JobConfig) -> nn.Module:
@@ -27,7 +28,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, cfg: JobConfig) -> nn
             checkpoint(block)
         if cfg.train.compile:
             block.compile()
-    if mesh is not None and mesh["dp"].size() > 1:
+    if mesh is not None and dp_mesh(mesh).size() > 1:
         apply_fsdp(model, mesh["dp_replicate", "dp_shard"], cfg)
     return model
 
@@ -57,7 +58,12 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: JobConfig) -> None:
     kwargs = dict(mesh=dp_mesh, mp_policy=mp, **({"offload_policy": offload} if offload else {}))
     for block in model.layers.values():
         fully_shard(block, reshard_after_forward=pcfg.reshard_after_forward, **kwargs)
-    # FSDP2 averages gradients over the data-parallel ranks; the trainer scales each rank's
-    # loss by their number so the average is the sum, the gradient of the whole batch.
-    # (set_gradient_divide_factor(1) would say it directly, but needs PREMUL_SUM: not on gloo.)
     fully_shard(model, **kwargs)
+    # Gradients are summed, not averaged, over ranks: the loss is already divided by the
+    # global count of targets, so the sum is the gradient of one big batch.
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+            # A plain SUM: the factor-1 divide would otherwise be NCCL's PREMUL_SUM, which
+            # gloo lacks; with a factor of 1 there is nothing to pre- or post-scale.
+            module.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,58 @@
+"""The default process group of a job started by torchrun (or a cluster launcher that sets
+the same environment): created from the environment, destroyed at exit."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from contextlib import contextmanager
+from datetime import timedelta
+from collections.abc import Iterator
+
+
+def env_rank_world() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) as the launcher set them; (0, 1) when started without one."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def rank_label() -> str:
+    """' (rank R of N)' under a launcher with several processes, '' otherwise: error messages
+    carry it so a user can tell which process failed."""
+    rank, world = env_rank_world()
+    return f" (rank {rank} of {world})" if world > 1 else ""
+
+
+@contextmanager
+def process_group(device_type: str, timeout_s: float = 1800.0) -> Iterator[None]:
+    """Initialise the default process group from torchrun's environment for the block:
+    NCCL (RCCL on AMD, the same backend) for CUDA tensors with gloo beside it for CPU tensors,
+    gloo alone on the CPU. Nothing when the job is one process.
+
+    Ranks other than 0 print nothing on stdout and show no warnings; errors still reach stderr.
+    """
+    import torch
+    import torch.distributed as dist
+
+    _, world = env_rank_world()
+    if world == 1 or dist.is_initialized():
+        yield
+        return
+    rank = int(os.environ["RANK"])
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    stdout = sys.stdout
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")
+        warnings.simplefilter("ignore")
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    try:
+        yield
+    finally:
+        if rank != 0:
+            sys.stdout.close()
+            sys.stdout = stdout
+        dist.destroy_process_group()
