@@ -12,6 +12,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from kiln.checkpoint.checkpointer import Progress
 from kiln.config import JobConfig
@@ -219,15 +220,36 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_sum, bat
     return loss, grad_norm
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
-    """The norm of all gradients together (over every shard), clipped to max_norm if given."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(norm, torch.distributed.tensor.DTensor):  # sharded: the norm over all shards
-        norm = norm.full_tensor()
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None,
+                   pp_group=None) -> torch.Tensor:
+    """The 2-norm of all gradients together, over every shard and pipeline stage, and the
+    gradients clipped to max_norm if given.
+
+    Gradients are grouped by the mesh they live on (tensor-parallel blocks on (dp, tp), the
+    embedding and head on dp alone, or plain tensors): foreach kernels take one kind at a
+    time. A DTensor group's norm is over all its shards; pp_group adds the other stages'.
+    """
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(mesh, []).append(p)
+    squares = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        if isinstance(norm, DTensor):  # sharded: the norm over all shards
+            norm = norm.full_tensor()
+        squares.append(norm.float().square())
+    if not squares:
+        return torch.zeros(())
+    total = torch.stack(squares).sum()
+    if pp_group is not None:  # each stage holds its own layers' gradients
+        dist.all_reduce(total, group=pp_group)
+    total = total.sqrt()
     if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return norm
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+    return total
 
 
 def budget_spent(tcfg, step: int, tokens: int, elapsed: float) -> bool:
