@@ -26,7 +26,8 @@ def job(tmp, name: str, parallel: dict | None = None, tie: bool = True, **sectio
     """A 4-layer tiny model (interleaved pipelines need two stages per rank), 16 sequences a step."""
     base = dict(
         name=name,
-        model={"n_layers": 4, "tie_embeddings": tie},
+        # Qwen-style q/k/v biases and per-head q/k norms: tensor parallel splits those too.
+        model={"n_layers": 4, "tie_embeddings": tie, "qkv_bias": tie, "qk_norm": tie},
         train={"micro_batch_size": 4, "global_batch_size": 16, "max_steps": STEPS, "log_interval": 5,
                "eval_interval": 100, "eval_batches": 1, "sample_tokens": 0, "num_threads": 1},
         checkpoint={"enabled": False},
@@ -104,6 +105,19 @@ def assert_same_run(tmp, results: dict, reference: dict, name: str, ref: str) ->
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=2e-4, msg=f"{name}: {key}")
 
 
+@pytest.fixture(scope="module")
+def four_ranks(tmp, reference):
+    return launch(tmp, 4, [
+        (job(tmp, "hsdp", {"dp_replicate": 2, "dp_shard": 2}), "none", "ref_tied"),
+        (job(tmp, "fsdp_tp", {"dp_shard": 2, "tp": 2}), "none", "ref_tied"),
+    ])
+
+
 @pytest.mark.parametrize("name", ["fsdp", "dp", "tp"])
 def test_two_rank_layouts_match_one_process(tmp, reference, two_ranks, name):
     assert_same_run(tmp, two_ranks, reference, name, "ref_tied")
+
+
+@pytest.mark.parametrize("name", ["hsdp", "fsdp_tp"])
+def test_four_rank_layouts_match_one_process(tmp, reference, four_ranks, name):
+    assert_same_run(tmp, four_ranks, reference, name, "ref_tied")

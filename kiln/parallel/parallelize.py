@@ -12,10 +12,10 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from kiln.config import JobConfig
 from kiln.parallel.mesh import dp_mesh
+from kiln.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh | None, cfg: JobConfig) -> nn.Module:
@@ -31,21 +31,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, cfg: JobConfig) -> nn
     if mesh is not None and dp_mesh(mesh).size() > 1:
         apply_fsdp(model, mesh["dp_replicate", "dp_shard"], cfg)
     return model
-
-
-def tensor_parallel_plan() -> dict:
-    """Each block's plan: q/k/v and gate/up split by columns (whole heads per rank), o and
-    down by rows, so a block needs one all-reduce after attention and one after the MLP."""
-    return {
-        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-        "attn.o": RowwiseParallel(),
-        "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(),
-    }
-
-
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, tensor_parallel_plan())
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: JobConfig) -> None:

@@ -16,8 +16,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             continue
         is_embedding = name.split(".")[-2:-1] == ["embed"]
         (no_decay if p.ndim < 2 or is_embedding else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    groups = []
+    for params, decay_rate in ((decay, weight_decay), (no_decay, 0.0)):
+        # One group per mesh (plain tensors, tensor-parallel blocks, FSDP-only parts): a
+        # foreach kernel takes tensors of one kind. Checkpoints map state by name, not group.
+        by_mesh: dict = {}
+        for p in params:
+            by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+        groups += [{"params": ps, "weight_decay": decay_rate} for ps in by_mesh.values() or [[]]]
+    return groups
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:

@@ -1,0 +1,96 @@
+"""Tensor parallel with sequence parallel, on the reshaped transformer's blocks.
+
+Inside a block (torchtitan's plan): q/k/v and gate/up are split by columns (whole heads per
+rank), o and down by rows. Between them the residual stream is split along the sequence
+(sequence parallel): the norms run on each rank's slice of the tokens, attention and the MLP
+all-gather the sequence on entry, and o/down reduce-scatter back to slices on exit. So the
+activations between blocks cost 1/tp of their memory, and the traffic is the same as plain
+tensor parallel (an all-reduce is a reduce-scatter plus an all-gather).
+
+The embedding, final norm and output projection stay whole on every tensor-parallel rank
+(FSDP2 still shards them over the data-parallel ranks): the loss runs the head in chunks
+(kiln.train.loss) on a whole hidden state. The region is entered at a model's first block
+(a slice, no communication) and left after its last (an all-gather), so a pipeline stage,
+which holds some of the blocks, is a region of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               PrepareModuleInputOutput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+
+def block_plan(qk_norm: bool) -> dict:
+    """One block's plan. Its inputs are (x, cos, sin, mask): only x is split."""
+    plan = {
+        "attn_norm": SequenceParallel(),
+        "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                   desired_input_layouts=(Replicate(), None, None, None),
+                                   use_local_output=True),
+        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+        "attn.o": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp_norm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                  use_local_output=True),
+        "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
+        "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    if qk_norm:
+        # Per-head norms on (batch, seq, local heads, head_dim): each rank holds some heads, so
+        # the shared weight's gradient is a sum over ranks. Marking the heads dimension as
+        # sharded (the norm is per head, so that is exact) makes DTensor add those up.
+        plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    blocks = list(model.layers.values())
+    for block in blocks:
+        parallelize_module(block, tp_mesh, block_plan(model.cfg.qk_norm))
+    enter = dict(input_layouts=(Replicate(), None, None, None),
+                 desired_input_layouts=(Shard(1), None, None, None))
+    leave = dict(output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)
+    first, last = blocks[0], blocks[-1]
+    if first is last:
+        parallelize_module(first, tp_mesh, PrepareModuleInputOutput(**enter, use_local_input=True, **leave))
+    else:
+        parallelize_module(first, tp_mesh, PrepareModuleInput(**enter, use_local_output=True))
+        parallelize_module(last, tp_mesh, PrepareModuleOutput(**leave))
+    pad_sequence_to_multiple(model, tp_mesh.size())
+
+
+def pad_sequence_to_multiple(model: nn.Module, multiple: int) -> None:
+    """Sequence parallel splits the sequence evenly: a shorter or odd input (a prompt being
+    sampled from) is padded at the end and the output cut back. Attention is causal, so the
+    padding changes nothing at the real positions. Training batches need no padding when
+    data.seq_len is a multiple of tp."""
+
+    def pad(module, args, kwargs):
+        tokens = args[0] if args else kwargs["tokens"]
+        extra = -tokens.shape[1] % multiple
+        if not extra:
+            return None
+        module._kiln_unpadded = tokens.shape[1]
+        pad_rows = (lambda t, value=0: None if t is None else
+                    F.pad(t, (0, 0) * (t.ndim - 2) + (0, extra), value=value))
+        args = (pad_rows(tokens), *args[1:]) if args else args
+        kwargs = {k: pad_rows(v, -1 if k == "document_ids" else 0) if isinstance(v, torch.Tensor)
+                  else v for k, v in kwargs.items()}
+        if not args:
+            kwargs["tokens"] = pad_rows(tokens)
+        return args, kwargs
+
+    def cut(module, args, kwargs, output):
+        length = module.__dict__.pop("_kiln_unpadded", None)
+        return output if length is None else output[:, :length]
+
+    model.register_forward_pre_hook(pad, with_kwargs=True)
+    model.register_forward_hook(cut, with_kwargs=True)
