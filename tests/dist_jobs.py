@@ -9,6 +9,7 @@ OUT: rank 0 writes {name: {"losses": [...], "start_step": n}} there.
 
 import json
 import sys
+import time
 from pathlib import Path
 
 from kiln.config import JobConfig
@@ -20,7 +21,9 @@ results = {}
 with process_group("cpu"):
     for job in jobs:
         cfg = JobConfig.model_validate(job["config"])
+        start = time.perf_counter()
         result = train(cfg, resume=job.get("resume", "none"))
-        results[cfg.name] = {"losses": result.losses, "start_step": result.start_step}
+        results[cfg.name] = {"losses": result.losses, "start_step": result.start_step,
+                             "sample": result.sample, "seconds": time.perf_counter() - start}
 if env_rank_world()[0] == 0:
     Path(sys.argv[2]).write_text(json.dumps(results))

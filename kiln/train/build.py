@@ -21,6 +21,7 @@ from kiln.data.pipeline import Data
 from kiln.errors import KilnError
 from kiln.models.transformer import Transformer
 from kiln.parallel import parallelize
+from kiln.parallel.pipeline import Pipeline, StageSpec, build_pipeline
 from kiln.parallel.mesh import Layout, build_mesh, device_for_rank, dp_rank_size, rank_world, resolve_layout
 from kiln.tasks import build_task
 from kiln.train.optim import build_optimizer
@@ -46,6 +47,8 @@ class Run:
     checkpointer: Checkpointer
     resumed: Resumed | None
     rank: int
+    pipeline: Pipeline | None = None
+    """This rank's pipeline stages and schedule when parallel.pp > 1 (model is then their view)."""
 
     @property
     def is_main(self) -> bool:
@@ -102,7 +105,13 @@ def build(cfg: JobConfig, resume: str = "auto") -> Run:
     if rank != 0:
         data = task.build_data(cfg, run_dir, dp_rank, dp_size)
 
-    model = build_model(cfg, mesh, device)
+    pipeline = None
+    if layout.pp > 1:
+        pipeline = build_pipeline(cfg, mesh, device, plan.micro_batch_size * plan.grad_accum_steps,
+                                  plan.grad_accum_steps, lambda spec: build_model(cfg, mesh, device, spec))
+        model = pipeline.model
+    else:
+        model = build_model(cfg, mesh, device)
     optimizer = build_optimizer(model, cfg.optim)
     schedule = LRSchedule(optimizer, cfg.optim.lr, cfg.schedule, plan.total_steps or 1)
     checkpointer = Checkpointer(cfg, run_dir, model, optimizer, schedule, data.train)
@@ -111,14 +120,17 @@ def build(cfg: JobConfig, resume: str = "auto") -> Run:
         (run_dir / "config.yaml.tmp").write_text(cfg.to_yaml())
         (run_dir / "config.yaml.tmp").replace(run_dir / "config.yaml")
     return Run(cfg, run_dir, device, layout, mesh, plan, model, optimizer, schedule, task, data,
-               autocast(cfg.precision, device), checkpointer, resumed, rank)
+               autocast(cfg.precision, device), checkpointer, resumed, rank, pipeline)
 
 
-def build_model(cfg: JobConfig, mesh, device: torch.device) -> nn.Module:
+def build_model(cfg: JobConfig, mesh, device: torch.device, stage: StageSpec | None = None) -> nn.Module:
     """The model built on the meta device (no memory), parallelised, then materialised on
-    `device` with each rank holding only its shards, and initialised or loaded."""
+    `device` with each rank holding only its shards, and initialised or loaded. With `stage`,
+    only that pipeline stage's parts."""
     with torch.device("meta"):
         model = Transformer(cfg.model)
+    if stage is not None:
+        model = stage.cut(model)
     parallelize(model, mesh, cfg)
     model.to_empty(device=device)
     model.tie_weights()

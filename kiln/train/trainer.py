@@ -19,6 +19,7 @@ from kiln.config import JobConfig
 from kiln.data.batch import Batch
 from kiln.models.transformer import count_parameters, flops_per_token
 from kiln.parallel.mesh import dp_group
+from kiln.parallel.pipeline import gather_stages
 from kiln.train.build import Run, build
 from kiln.train.metrics import MetricsLog, peak_flops, peak_memory_mb
 
@@ -48,17 +49,27 @@ class Trainer:
         self.run = run
         self.cfg, self.model, self.optimizer = run.cfg, run.model, run.optimizer
         self.dp_group = dp_group(run.mesh)
+        self.pp_group = run.pipeline.group if run.pipeline is not None else None
 
     # -- one step ------------------------------------------------------------------------------
 
     def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         """This rank's share of the step's mean loss, on the device; the seam a pipeline
         schedule replaces."""
+        if self.run.pipeline is not None:  # the schedule runs every stage's part of it
+            return self.run.pipeline.step(batches, self.dp_group, self.run.amp)
         return forward_backward(self.model, self.run.task.loss_sum, batches, self.run.amp, self.dp_group)
 
     def train_step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-        return train_step(self.model, self.optimizer, self.run.task.loss_sum, batches,
-                          self.run.amp, self.cfg.optim.grad_clip, self.dp_group)
+        if self.run.pipeline is None:
+            return train_step(self.model, self.optimizer, self.run.task.loss_sum, batches,
+                              self.run.amp, self.cfg.optim.grad_clip, self.dp_group)
+        loss = self.forward_backward(batches)
+        grad_norm = clip_grad_norm([p for p in self.model.parameters() if p.grad is not None],
+                                   self.cfg.optim.grad_clip, self.pp_group)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -119,8 +130,9 @@ class Trainer:
     def _read(self, pending: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[float], list[float]]:
         """The losses and grad norms of the steps since the last log line: one sync for all."""
         losses = torch.stack([loss for loss, _ in pending])
-        if self.dp_group is not None:  # each rank holds its share of the global mean
-            dist.all_reduce(losses, group=self.dp_group)
+        for group in (self.dp_group, self.pp_group):  # each rank holds its share of the mean
+            if group is not None:
+                dist.all_reduce(losses, group=group)
         return losses.tolist(), torch.stack([norm for _, norm in pending]).tolist()
 
     def _open_log(self, progress: Progress):
@@ -148,13 +160,16 @@ class Trainer:
         record = {"step": step}
         self.model.eval()
         for i, (name, batches) in enumerate(val_sets.items()):
-            loss_sum = torch.zeros((), device=run.device)
-            count = 0
-            for batch in batches:
-                batch = batch.to(run.device)
-                with run.amp:
-                    loss_sum += run.task.loss_sum(self.model, batch)
-                count += int(batch.count_targets())
+            batches = [batch.to(run.device) for batch in batches]
+            count = sum(int(batch.count_targets()) for batch in batches)
+            if run.pipeline is not None:  # the sum is on the last stage: add the stages up
+                loss_sum = run.pipeline.evaluate(batches, run.amp)
+                dist.all_reduce(loss_sum, group=self.pp_group)
+            else:
+                loss_sum = torch.zeros((), device=run.device)
+                for batch in batches:
+                    with run.amp:
+                        loss_sum += run.task.loss_sum(self.model, batch)
             loss = loss_sum.item() / count
             if i == 0:  # the first set is the run's headline val_loss
                 result.val_losses.append((step, loss))
@@ -168,6 +183,8 @@ class Trainer:
         # Every rank takes part in gathering the full weights; rank 0 writes them.
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
                                                                           cpu_offload=True))
+        if self.pp_group is not None:  # each stage has its own layers: rank 0 gathers them
+            state = gather_stages(state, self.run.mesh)
         if not self.run.is_main:
             return
         if self.cfg.model.tie_embeddings:
@@ -178,7 +195,7 @@ class Trainer:
 
     def _sample(self) -> str:
         run, tcfg = self.run, self.cfg.train
-        if tcfg.sample_tokens == 0:
+        if tcfg.sample_tokens == 0 or run.pipeline is not None:  # no sampling through stages
             return ""
         prompt = torch.tensor([run.data.tokenizer.encode(tcfg.sample_prompt).ids], device=run.device)
         self.model.eval()
