@@ -283,8 +283,9 @@ class ParallelConfig(Section):
     pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble"] = "1F1B"
     """The pipeline schedule, from torch.distributed.pipelining."""
     pp_microbatches: int | None = Field(None, gt=0)
-    """Microbatches per pipeline step; None: the stages' count (the accumulation steps are
-    the microbatches)."""
+    """Microbatches per pipeline step; None: the gradient-accumulation steps (each micro-batch
+    is one pipeline microbatch). Set, it must divide the sequences a data-parallel rank takes
+    per step (micro_batch_size x accumulation steps)."""
     pp_stages_per_rank: int = Field(1, gt=0)
     """Stages each pipeline rank holds: 2 or more for the interleaved schedules."""
     reshard_after_forward: bool = True

@@ -38,26 +38,41 @@ def tiny_job(tmp_path, **sections) -> JobConfig:
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, extra: list[str] = ()) -> str:
-    """Run `torchrun --standalone --nproc-per-node nproc ARGS` from the repo root; its output.
+def start(cmd: list[str], cwd: Path = ROOT) -> subprocess.Popen:
+    """Start a launcher (torchrun, `kiln train --nproc`) in a session of its own, so a hang or a
+    failure is cleaned up whole (no workers left behind); one thread per process."""
+    return subprocess.Popen(
+        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
 
-    torchrun and its workers get a session of their own, so a hang or a failure is cleaned up
-    whole (no workers left behind). Fails the test with the output's tail on a non-zero exit.
-    """
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-         *extra, *args],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+    """Wait for a started launcher: (exit code, output); the test fails if it runs past timeout."""
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out after {timeout} s:\n{output[-3000:]}")
+        pytest.fail(f"{' '.join(map(str, proc.args))} timed out after {timeout} s:\n{output[-3000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 0, output[-3000:]
+    return proc.returncode, output
+
+
+def failure(output: str) -> str:
+    """The part of a failed launch's output worth reading: the first traceback and the end."""
+    first = output.find("Traceback")
+    head = output[first:first + 5000] if first >= 0 else ""
+    return f"{head}\n...\n{output[-2500:]}"
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, extra: list[str] = ()) -> str:
+    """Run `torchrun --standalone --nproc-per-node nproc ARGS` from the repo root; its output.
+    Fails the test with the output's first traceback and tail on a non-zero exit."""
+    code, output = finish(start([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 f"--nproc_per_node={nproc}", *extra, *args]), timeout)
+    assert code == 0, failure(output)
     return output

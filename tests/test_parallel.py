@@ -15,8 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_job
-from distributed import ROOT, failure, torchrun
+from conftest import ROOT, tiny_job, torchrun
 from kiln.train.trainer import train
 
 STEPS = 10
@@ -57,9 +56,7 @@ def launch(tmp, nproc: int, jobs: list[tuple[dict, str, str]]) -> dict:
         seed_run_dir(tmp, config["name"], ref)
     spec, out = tmp / f"jobs{nproc}.json", tmp / f"results{nproc}.json"
     spec.write_text(json.dumps([{"config": c, "resume": r} for c, r, _ in jobs]))
-    done = torchrun(["--standalone", f"--nproc-per-node={nproc}", str(ROOT / "tests/dist_jobs.py"),
-                     str(spec), str(out)])
-    assert done.returncode == 0, failure(done.stdout)
+    torchrun([str(ROOT / "tests/workers/dist_jobs.py"), str(spec), str(out)], nproc=nproc, timeout=600)
     return json.loads(out.read_text())
 
 
@@ -88,6 +85,11 @@ def two_ranks(tmp, reference):
         (job(tmp, "fsdp"), "none", "ref_tied"),
         (job(tmp, "dp", {"dp_replicate": 2, "dp_shard": 1}), "none", "ref_tied"),
         (job(tmp, "tp", {"tp": 2}), "none", "ref_tied"),
+        (job(tmp, "pp_1f1b", {"pp": 2}, tie=False), "none", "ref_untied"),
+        (job(tmp, "pp_interleaved", {"pp": 2, "pp_schedule": "Interleaved1F1B", "pp_stages_per_rank": 2},
+             tie=False), "none", "ref_untied"),
+        (job(tmp, "pp_zero_bubble", {"pp": 2, "pp_schedule": "InterleavedZeroBubble",
+                                     "pp_stages_per_rank": 2}, tie=False), "none", "ref_untied"),
     ])
 
 
@@ -110,14 +112,16 @@ def four_ranks(tmp, reference):
     return launch(tmp, 4, [
         (job(tmp, "hsdp", {"dp_replicate": 2, "dp_shard": 2}), "none", "ref_tied"),
         (job(tmp, "fsdp_tp", {"dp_shard": 2, "tp": 2}), "none", "ref_tied"),
+        (job(tmp, "pp_fsdp", {"pp": 2, "dp_shard": 2}, tie=False), "none", "ref_untied"),
+        (job(tmp, "pp_tp", {"pp": 2, "tp": 2}, tie=False), "none", "ref_untied"),
     ])
 
 
-@pytest.mark.parametrize("name", ["fsdp", "dp", "tp"])
+@pytest.mark.parametrize("name", ["fsdp", "dp", "tp", "pp_1f1b", "pp_interleaved", "pp_zero_bubble"])
 def test_two_rank_layouts_match_one_process(tmp, reference, two_ranks, name):
-    assert_same_run(tmp, two_ranks, reference, name, "ref_tied")
+    assert_same_run(tmp, two_ranks, reference, name, "ref_untied" if name.startswith("pp") else "ref_tied")
 
 
-@pytest.mark.parametrize("name", ["hsdp", "fsdp_tp"])
+@pytest.mark.parametrize("name", ["hsdp", "fsdp_tp", "pp_fsdp", "pp_tp"])
 def test_four_rank_layouts_match_one_process(tmp, reference, four_ranks, name):
-    assert_same_run(tmp, four_ranks, reference, name, "ref_tied")
+    assert_same_run(tmp, four_ranks, reference, name, "ref_untied" if name.startswith("pp") else "ref_tied")

@@ -32,10 +32,6 @@ from kiln.errors import KilnError
 from kiln.models.transformer import Transformer
 from kiln.train.loss import chunked_cross_entropy
 
-# Schedules that place two stages on each rank in a V (rank r: stages r and 2 * pp - 1 - r),
-# not in a loop (rank r: stages r, r + pp, ...).
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -66,19 +62,17 @@ class StageSpec:
         return model
 
 
-def stage_specs(n_layers: int, pp: int, pp_rank: int, stages_per_rank: int,
-                schedule: str) -> list[StageSpec]:
+def stage_specs(n_layers: int, pp: int, pp_rank: int, stages_per_rank: int) -> list[StageSpec]:
     """This rank's stages. Blocks are split as evenly as possible, the earlier stages taking one
-    more when they do not divide (the last stage also runs the output projection and the loss)."""
+    more when they do not divide (the last stage also runs the output projection and the loss).
+    Stages go round the ranks in a loop: rank r holds r, r + pp, ... (torch's V-shaped schedules,
+    ZBVZeroBubble and DualPipeV, are not offered: in torch 2.13 their `eval` fails)."""
     count = pp * stages_per_rank
     base, extra = divmod(n_layers, count)
     bounds = [0]
     for s in range(count):
         bounds.append(bounds[-1] + base + (1 if s < extra else 0))
-    if schedule in V_SCHEDULES:
-        indices = [pp_rank, 2 * pp - 1 - pp_rank]
-    else:
-        indices = [pp_rank + k * pp for k in range(stages_per_rank)]
+    indices = [pp_rank + k * pp for k in range(stages_per_rank)]
     return [StageSpec(i, count, tuple(range(bounds[i], bounds[i + 1]))) for i in indices]
 
 
@@ -188,7 +182,7 @@ def build_pipeline(cfg: JobConfig, mesh: DeviceMesh, device: torch.device, rank_
         raise KilnError("parallel.pp > 1 with a data.curriculum stage that changes seq_len: the "
                         "pipeline's stages are set up for one microbatch shape")
     specs = stage_specs(cfg.model.n_layers, pp_mesh.size(), pp_mesh.get_local_rank(),
-                        pcfg.pp_stages_per_rank, pcfg.pp_schedule)
+                        pcfg.pp_stages_per_rank)
     models = [build_stage(spec) for spec in specs]
     last = next((m for m, s in zip(models, specs) if s.is_last), None)
     if last is not None:

@@ -212,16 +212,14 @@ def forward_backward(model: nn.Module, loss_sum, batches: list[Batch], amp=nullc
     # Divide by the count of targets over all micro-batches and data-parallel ranks, so any
     # accumulation or layout gives the gradient of one big batch.
     n_targets = torch.stack([b.count_targets() for b in batches]).sum().float()
-    # FSDP2 averages gradients over data-parallel ranks: scale by their number to sum them.
-    ranks = 1
+    # FSDP2 sums (not averages) gradients over data-parallel ranks: kiln.parallel.parallelize.
     if dp_group is not None:
         dist.all_reduce(n_targets, group=dp_group)
-        ranks = dist.get_world_size(dp_group)
     total = torch.zeros((), device=batches[0].tokens.device)
     for batch in batches:
         with amp:
             loss = loss_sum(model, batch) / n_targets
-        (loss * ranks if ranks > 1 else loss).backward()
+        loss.backward()
         total += loss.detach()
     return total
 

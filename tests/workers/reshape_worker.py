@@ -1,26 +1,26 @@
 """Run by tests/test_reshape.py under `torchrun --nproc-per-node 2`; writes its findings as JSON.
 
 Three checks on two real gloo ranks:
-- tensor parallel: a ColwiseParallel/RowwiseParallel plan on a block gives the unsharded output;
+- tensor parallel: the plan (sequence parallel included) on a model gives the unsharded
+  logits and gradients;
 - FSDP2: between forward and backward no unsharded weight copy is alive;
 - global token count: two data-parallel ranks with unequal label masks make the same update as
   one process over both halves.
 """
 
-import copy
 import json
 import sys
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import parallelize_module
 
 from kiln.config import JobConfig, ModelConfig, ParallelConfig
 from kiln.data.batch import Batch
-from kiln.models.transformer import Transformer, rope_cos_sin
+from kiln.models.transformer import Transformer
 from kiln.parallel.dtensor import full_tensor
-from kiln.parallel.parallelize import apply_fsdp, tensor_parallel_plan
+from kiln.parallel.parallelize import apply_fsdp
+from kiln.parallel.tensor_parallel import apply_tensor_parallel
 from kiln.tasks.pretrain import Pretrain
 from kiln.train.trainer import train_step
 
@@ -38,23 +38,22 @@ def model(seed=0) -> Transformer:
     return m
 
 
-# 1. Tensor parallel on one block.
-reference = model()
-block = copy.deepcopy(reference.layers["0"])
-x = torch.randn(2, 16, CFG.dim, generator=torch.Generator().manual_seed(1))
-cos, sin = rope_cos_sin(reference.inv_freq, 16)
-expected = reference.layers["0"](x, cos, sin)
-expected.sum().backward()
-tp_mesh = init_device_mesh("cpu", (2,))
-parallelize_module(block, tp_mesh, tensor_parallel_plan())
-got = block(x, cos, sin)
-got.sum().backward()
+# 1. Tensor parallel (with sequence parallel between the blocks) on a whole model; 15 tokens,
+# an odd length that sequence parallel pads and cuts back.
+reference, tp_model = model(), model()
+x = torch.randint(0, CFG.vocab_size, (2, 15), generator=torch.Generator().manual_seed(1))
+probe = torch.randn(2, 15, CFG.vocab_size, generator=torch.Generator().manual_seed(2))
+expected = reference(x)
+(expected * probe).sum().backward()
+apply_tensor_parallel(tp_model, init_device_mesh("cpu", (2,)))
+got = tp_model(x)
+(got * probe).sum().backward()
 out["tp_max_diff"] = (got - expected).abs().max().item()
-out["tp_sharded"] = all(type(p).__name__ == "DTensor" for n, p in block.named_parameters()
+out["tp_sharded"] = all(type(p).__name__ == "DTensor" for n, p in tp_model.named_parameters()
                         if n.endswith(("q.weight", "down.weight")))
 out["tp_grad_max_diff"] = max(
     (full_tensor(p.grad) - q.grad).abs().max().item()
-    for p, q in zip(block.parameters(), reference.layers["0"].parameters()))
+    for p, q in zip(tp_model.parameters(), reference.parameters()))
 
 # 2. FSDP2: what autograd keeps for backward holds no unsharded weight.
 dp_mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_replicate", "dp_shard"))

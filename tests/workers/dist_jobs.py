@@ -1,7 +1,7 @@
 """Run several training jobs one after another in one torchrun launch (real processes over
 gloo), so the parity tests pay for starting processes and importing torch once per world size.
 
-    python -m torch.distributed.run --standalone --nproc-per-node N tests/dist_jobs.py JOBS OUT
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/workers/dist_jobs.py JOBS OUT
 
 JOBS: a JSON list of {"config": <JobConfig dict>, "resume": "none" | "auto" | PATH}.
 OUT: rank 0 writes {name: {"losses": [...], "start_step": n}} there.
