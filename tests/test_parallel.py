@@ -82,9 +82,11 @@ def reference(tmp):
 @pytest.fixture(scope="module")
 def two_ranks(tmp, reference):
     return launch(tmp, 2, [
-        (job(tmp, "fsdp"), "none", "ref_tied"),
+        # Checkpoints at steps 5 and 10: resumed below under other layouts.
+        (job(tmp, "fsdp", checkpoint={"enabled": True, "interval": 5, "keep_last": None}), "none", "ref_tied"),
         (job(tmp, "dp", {"dp_replicate": 2, "dp_shard": 1}), "none", "ref_tied"),
         (job(tmp, "tp", {"tp": 2}), "none", "ref_tied"),
+        (job(tmp, "fsdp_to_tp", {"tp": 2}), str(checkpoint(tmp, "fsdp", 5)), "ref_tied"),
         (job(tmp, "pp_1f1b", {"pp": 2}, tie=False), "none", "ref_untied"),
         (job(tmp, "pp_interleaved", {"pp": 2, "pp_schedule": "Interleaved1F1B", "pp_stages_per_rank": 2},
              tie=False), "none", "ref_untied"),
@@ -93,9 +95,14 @@ def two_ranks(tmp, reference):
     ])
 
 
+def checkpoint(tmp, name: str, step: int):
+    return run_dir(tmp, name) / "checkpoints" / f"step-{step:06d}"
+
+
 def assert_same_run(tmp, results: dict, reference: dict, name: str, ref: str) -> None:
-    got, want = results[name]["losses"], reference[ref]
-    assert len(got) == STEPS
+    start = results[name]["start_step"]
+    got, want = results[name]["losses"], reference[ref][start:]
+    assert len(got) == STEPS - start
     assert got == pytest.approx(want, rel=1e-5), name
     ours, theirs = (load_file(run_dir(tmp, n) / "model.safetensors") for n in (name, ref))
     assert ours.keys() == theirs.keys()
@@ -117,7 +124,8 @@ def four_ranks(tmp, reference):
     ])
 
 
-@pytest.mark.parametrize("name", ["fsdp", "dp", "tp", "pp_1f1b", "pp_interleaved", "pp_zero_bubble"])
+@pytest.mark.parametrize("name", ["fsdp", "dp", "tp", "pp_1f1b", "pp_interleaved", "pp_zero_bubble",
+                                  "fsdp_to_tp"])
 def test_two_rank_layouts_match_one_process(tmp, reference, two_ranks, name):
     assert_same_run(tmp, two_ranks, reference, name, "ref_untied" if name.startswith("pp") else "ref_tied")
 
@@ -125,3 +133,17 @@ def test_two_rank_layouts_match_one_process(tmp, reference, two_ranks, name):
 @pytest.mark.parametrize("name", ["hsdp", "fsdp_tp", "pp_fsdp", "pp_tp"])
 def test_four_rank_layouts_match_one_process(tmp, reference, four_ranks, name):
     assert_same_run(tmp, four_ranks, reference, name, "ref_untied" if name.startswith("pp") else "ref_tied")
+
+
+def test_a_two_rank_fsdp_checkpoint_resumes_in_one_process(tmp, reference, two_ranks):
+    """Model, optimizer, schedule and data position saved as 2 FSDP2 shards continue in one
+    process exactly where the 2-rank run went on (the data position is global, so a change of
+    data-parallel degree resumes at the same sample)."""
+    from kiln.config import JobConfig
+
+    cfg = JobConfig.model_validate(job(tmp, "fsdp_to_one"))
+    seed_run_dir(tmp, "fsdp_to_one", "ref_tied")
+    result = train(cfg, resume=str(checkpoint(tmp, "fsdp", 5)))
+    assert_same_run(tmp, {"fsdp_to_one": {"losses": result.losses, "start_step": result.start_step}},
+                    reference, "fsdp_to_one", "ref_tied")
+    assert result.start_step == 5

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 # The copy helpers behind DCP's own BlockingAsyncStager, which would pin memory even on CPU.
 from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from kiln.checkpoint.storage import Committed, Storage
 from kiln.urls import is_url, redact
@@ -39,6 +39,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # Changing these makes weights or optimizer state unusable; everything else may change on resume.
 SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
               "intermediate_size", "qkv_bias", "qk_norm", "tie_embeddings")
+
+
+# Optimizer state and hyperparameters keyed by parameter name, not by param-group index: a
+# layout groups parameters by the mesh they live on, so another layout has other groups.
+STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @dataclass
@@ -248,7 +253,7 @@ class Checkpointer:
         return None, storage
 
     def _state(self, progress: Progress, rank_key: str, with_cuda: bool = True) -> dict:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
         rng = rng_state()
         if not with_cuda:
             rng.pop("cuda", None)
@@ -272,7 +277,7 @@ class Checkpointer:
         dcp.load(state, storage_reader=reader_for(committed.url, storage.options),
                  process_group=self.group, no_dist=self.group is None)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=STATE_OPTIONS)
         train = state["train"]
         for group, h in zip(self.optimizer.param_groups, hyper):
             group.update(h)
@@ -293,7 +298,9 @@ class Checkpointer:
                 problems.append(f"{key[6:]} is missing there")
             elif size != shape:
                 problems.append(f"{key[6:]} is {list(size)} there, {list(shape)} here")
-        extra = [k[6:] for k in saved if k.startswith("model.") and k not in ours]
+        # A pipeline stage holds some of the layers: the others' are there for the other stages.
+        extra = [k[6:] for k in saved if k.startswith("model.") and k not in ours
+                 and self.cfg.parallel.pp == 1]
         problems += [f"{k} is there but not in this model" for k in extra[:3]]
         if problems:
             shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")

@@ -146,11 +146,16 @@ class Sampler:
                 "sizes": list(self.sizes)}
 
     def load_state_dict(self, state: dict) -> None:
-        if (state["world_size"], state["batch_size"]) != (self.world_size, self.batch_size):
+        # The position and counts are global (every rank holds the same), so another number of
+        # data-parallel ranks or another micro-batch size continues at the same sample, as long
+        # as the position falls on one of this run's calls (it does at an optimizer step: a
+        # step's global batch is a multiple of world size x micro-batch).
+        if state["position"] % (self.world_size * self.batch_size):
             raise KilnError(
-                f"the data position was saved with world size {state['world_size']} and batch "
-                f"size {state['batch_size']}; this run has {self.world_size} and "
-                f"{self.batch_size}, so it cannot continue at the exact same sample")
+                f"the data position ({state['position']} samples, saved with world size "
+                f"{state['world_size']} and batch size {state['batch_size']}) is not a multiple "
+                f"of this run's {self.world_size} x {self.batch_size} samples per call, so it "
+                "cannot continue at the exact same sample")
         if list(state["sizes"]) != list(self.sizes):
             raise KilnError(
                 f"the data position was saved over sources of {state['sizes']} samples; this "
