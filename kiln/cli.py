@@ -148,16 +148,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             print(cfg.to_yaml(), end="")
         elif args.command == "train":
-            if args.nproc and args.nproc > 1 and env_rank_world()[1] == 1:
+            from kiln.launch.layout import check_layout
+
+            world = env_rank_world()[1]
+            if args.nproc and args.nproc > 1 and world == 1:
                 from kiln.launch.torchrun import run_torchrun, strip_nproc
 
+                check_layout(cfg, args.nproc)  # before starting any process
                 return run_torchrun(args.nproc, strip_nproc(argv))
-            # torch is slow to import; only when needed
-            from kiln.launch.process_group import process_group
-            from kiln.train.build import check_layout
+            # Before any process group, and without torch when train.device names the device.
+            _, device_type = check_layout(cfg, world)
+            from kiln.launch.process_group import process_group  # torch: only when needed
             from kiln.train.trainer import train
 
-            _, device_type = check_layout(cfg, env_rank_world()[1])  # before any process group
             with process_group(device_type):
                 result = train(cfg, resume=args.resume)
             if env_rank_world()[0] != 0:

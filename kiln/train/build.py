@@ -75,18 +75,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def check_layout(cfg: JobConfig, world: int) -> tuple[Layout, str]:
-    """The job's layout on `world` processes and its device type; a KilnError when they do not
-    fit, raised before any process group exists."""
-    device_type = resolve_device(cfg.train.device).type
-    return resolve_layout(cfg.parallel, world, cfg.model, cfg.data.seq_len, device_type), device_type
-
-
 def build(cfg: JobConfig, resume: str = "auto") -> Run:
     cfg = resolve_init_from(cfg)
     tcfg = cfg.train
     rank, world = rank_world()
-    layout, device_type = check_layout(cfg, world)
+    device_type = resolve_device(tcfg.device).type
+    layout = resolve_layout(cfg.parallel, world, cfg.model, cfg.data.seq_len, device_type)
     device = device_for_rank(device_type) if world > 1 else resolve_device(tcfg.device)
     torch.set_num_threads(tcfg.num_threads or max(1, (os.cpu_count() or 1) // _local_world()))
     seed_everything(tcfg.seed)

@@ -18,6 +18,7 @@ from kiln.checkpoint.checkpointer import Progress
 from kiln.config import JobConfig
 from kiln.data.batch import Batch
 from kiln.models.transformer import count_parameters, flops_per_token
+from kiln.parallel.health import rank_health
 from kiln.parallel.mesh import dp_group
 from kiln.parallel.pipeline import gather_stages
 from kiln.train.build import Run, build
@@ -88,11 +89,14 @@ class Trainer:
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # read at the next log line
         start = window_start = time.perf_counter()
         window_tokens = 0
+        busy = 0.0  # this rank's own seconds in the window's steps (per-rank health)
         while not done:
+            step_start = time.perf_counter()
             batches = [next(run.data.train).to(run.device, non_blocking=True)
                        for _ in range(run.plan.grad_accum_steps)]
             lr = run.schedule.lr
             pending.append(self.train_step(batches))
+            busy += time.perf_counter() - step_start
             run.schedule.step()
             step += 1
             log.advance(1)
@@ -101,6 +105,7 @@ class Trainer:
             elapsed = progress.elapsed + time.perf_counter() - start
             done = budget_spent(tcfg, step, result.tokens, elapsed)
             if step % tcfg.log_interval == 0 or done:
+                steps_in_window = len(pending)
                 losses, grad_norms = self._read(pending)
                 pending.clear()
                 result.losses += losses
@@ -108,10 +113,12 @@ class Trainer:
                 tps = window_tokens / (now - window_start)
                 result.tokens_per_s.append(tps)
                 log.advance(0, losses[-1])
+                mem = peak_memory_mb(run.device)
                 log.log({"step": step, "loss": losses[-1], "lr": lr, "grad_norm": grad_norms[-1],
                          "tokens_per_s": tps, "mfu": tps * flops_tok / peak,
-                         "peak_mem_mb": peak_memory_mb(run.device), "tokens": result.tokens})
-                window_start, window_tokens = time.perf_counter(), 0
+                         "peak_mem_mb": mem, "tokens": result.tokens,
+                         **rank_health(busy / steps_in_window, mem, run.device)})
+                window_start, window_tokens, busy = time.perf_counter(), 0, 0.0
             if step % tcfg.eval_interval == 0 or done:
                 self._evaluate(step, log, result)
                 window_start = time.perf_counter()  # evaluation time is not training throughput
@@ -181,10 +188,13 @@ class Trainer:
 
     def _save_weights(self) -> None:
         # Every rank takes part in gathering the full weights; rank 0 writes them.
+        # With cpu_offload only global rank 0 receives the tensors; pipeline stages other than
+        # rank 0's must receive theirs to hand them on, so they gather on the device.
+        stages = self.pp_group is not None
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
-                                                                          cpu_offload=True))
-        if self.pp_group is not None:  # each stage has its own layers: rank 0 gathers them
-            state = gather_stages(state, self.run.mesh)
+                                                                          cpu_offload=not stages))
+        if stages:  # each stage has its own layers: rank 0 gathers them
+            state = gather_stages({k: v.cpu() for k, v in state.items()}, self.run.mesh)
         if not self.run.is_main:
             return
         if self.cfg.model.tie_embeddings:
