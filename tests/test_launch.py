@@ -9,7 +9,6 @@ import socket
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
 from conftest import failure, finish, start, tiny_job
