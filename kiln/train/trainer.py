@@ -259,18 +259,20 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None,
         if p.grad is not None:
             mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
             groups.setdefault(mesh, []).append(p)
-    squares = []
+    norms = []
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         if isinstance(norm, DTensor):  # sharded: the norm over all shards
             norm = norm.full_tensor()
-        squares.append(norm.float().square())
-    if not squares:
+        norms.append(norm)
+    if not norms:
         return torch.zeros(())
-    total = torch.stack(squares).sum()
-    if pp_group is not None:  # each stage holds its own layers' gradients
-        dist.all_reduce(total, group=pp_group)
-    total = total.sqrt()
+    total = norms[0]
+    if len(norms) > 1 or pp_group is not None:
+        squares = torch.stack([n.float().square() for n in norms]).sum()
+        if pp_group is not None:  # each stage holds its own layers' gradients
+            dist.all_reduce(squares, group=pp_group)
+        total = squares.sqrt()
     if max_norm is not None:
         for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
