@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kiln import launch
 from kiln.config import load_config
 from kiln.errors import KilnError
 
@@ -60,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     with_inputs(tok_train)
     tok_train.add_argument("--out", required=True, help="directory for tokenizer.json")
     tok_train.add_argument("--vocab-size", type=int, required=True)
+    launch.add_parser(commands)
     return parser
 
 
@@ -134,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command in ("export-hf", "import-hf"):
             _hf_command(args)
+            return 0
+        if args.command == "launch":
+            launch.run(args)
             return 0
         cfg = load_config(args.config, args.overrides)
         if cfg.model.init_from:  # the shape comes from the directory's config.json
