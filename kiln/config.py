@@ -346,6 +346,40 @@ class CheckpointConfig(Section):
         return self
 
 
+class GuardsConfig(Section):
+    """What keeps a long run alive (kiln/train/guards.py): bad steps, preemption, hangs."""
+    skip_bad_steps: bool = True
+    """Skip the optimizer step on a non-finite loss or gradient norm, or a loss spike."""
+    spike_k: float = Field(6.0, gt=0)
+    """A loss more than this many standard deviations above the recent window is a spike."""
+    spike_window: int = Field(100, ge=2)
+    """Recent good steps the spike test compares against."""
+    spike_min_history: int = Field(20, ge=2)
+    """No spike verdicts before this many good steps are known."""
+    rollback_after: int | None = Field(3, gt=0)
+    """Bad steps in a row that roll back to the last checkpoint (skipping those batches on the
+    replay); None only skips."""
+    max_bad_steps: int = Field(20, ge=0)
+    """More bad steps than this in the whole run stop it, naming steps and data positions."""
+    preemption_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"]] = [
+        "SIGTERM", "SIGUSR1"]
+    """Signals that mean "checkpoint at the next step boundary and exit for a restart"."""
+    hang_factor: float = Field(10.0, gt=1)
+    """A step taking this many times the recent median step time is a hang: stacks are dumped."""
+    hang_min_seconds: float = Field(60.0, gt=0)
+    """... but never a step shorter than this."""
+    hang_exit_after: float | None = Field(1800.0, gt=0)
+    """Seconds without a finished step after which the process exits for the launcher to
+    restart it; None never exits."""
+
+    @model_validator(mode="after")
+    def _check_window(self) -> GuardsConfig:
+        if self.spike_min_history > self.spike_window:
+            raise ValueError(f"guards.spike_min_history={self.spike_min_history} exceeds "
+                             f"guards.spike_window={self.spike_window}")
+        return self
+
+
 class JobConfig(Section):
     name: str = "run"
     """The run directory is <out_dir>/<name>."""
@@ -360,6 +394,7 @@ class JobConfig(Section):
     parallel: ParallelConfig = ParallelConfig()
     metrics: MetricsConfig = MetricsConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    guards: GuardsConfig = GuardsConfig()
 
     @model_validator(mode="after")
     def _check_job(self) -> JobConfig:

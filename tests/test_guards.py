@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.config import GuardsConfig
 from kiln.errors import KilnError
 from kiln.train.guards import (EXIT_RESTART, Action, HangWatchdog, PreemptionFlag, StepGuard,
                                all_ranks_agree)
@@ -81,6 +82,19 @@ def test_state_dict_round_trip_gives_the_same_decisions():
     assert b.spike_threshold() == a.spike_threshold() and len(b.bad_steps) == 1
     for loss in (3.0, 3.4, 40.0):
         assert a.check(32, loss, 1.0) is b.check(32, loss, 1.0)
+
+
+def test_built_from_the_job_config():
+    cfg = GuardsConfig(spike_k=3.0, spike_window=40, rollback_after=None,
+                       preemption_signals=["SIGUSR2"], hang_factor=5.0, hang_exit_after=None)
+    # A window of +-0.05 noise (std ~0.03): 3.15 is a spike at k=3, not at the default k=6.
+    assert warmed(StepGuard.from_config(cfg)).check(31, 3.15, 1.0) is Action.SKIP
+    assert warmed(StepGuard.from_config(GuardsConfig())).check(31, 3.15, 1.0) is Action.APPLY
+    assert PreemptionFlag.from_config(cfg).signals == (signal.SIGUSR2,)
+    dog = HangWatchdog.from_config(cfg)
+    assert (dog.factor, dog.min_seconds, dog.exit_after) == (5.0, 60.0, None)
+    with pytest.raises(ValueError, match="spike_min_history=50 exceeds"):
+        GuardsConfig(spike_window=40, spike_min_history=50)
 
 
 def test_signal_sets_flag_and_a_duplicate_is_ignored():

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, Callable, Iterator, TextIO
 
+from kiln.config import GuardsConfig
 from kiln.errors import KilnError
 
 EXIT_RESTART = 75
@@ -74,6 +75,11 @@ class StepGuard:
         self.bad_steps: list[BadStep] = []
         self._streak: list[int] = []
         self._skip: set[int] = set()
+
+    @classmethod
+    def from_config(cls, cfg: GuardsConfig) -> StepGuard:
+        return cls(window=cfg.spike_window, k=cfg.spike_k, min_history=cfg.spike_min_history,
+                   rollback_after=cfg.rollback_after, max_bad_steps=cfg.max_bad_steps)
 
     def spike_threshold(self) -> float | None:
         """The loss above which a step is a spike; None while the window is too short."""
@@ -158,6 +164,10 @@ class PreemptionFlag:
         self.received_at: float | None = None
         self._previous: dict[int, Any] = {}
 
+    @classmethod
+    def from_config(cls, cfg: GuardsConfig) -> PreemptionFlag:
+        return cls(tuple(signal.Signals[name] for name in cfg.preemption_signals))
+
     @property
     def requested(self) -> bool:
         return self.received is not None
@@ -231,6 +241,11 @@ class HangWatchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.dumps = 0
+
+    @classmethod
+    def from_config(cls, cfg: GuardsConfig, **kw) -> HangWatchdog:
+        return cls(factor=cfg.hang_factor, min_seconds=cfg.hang_min_seconds,
+                   exit_after=cfg.hang_exit_after, **kw)
 
     def start(self) -> HangWatchdog:
         self._last = time.monotonic()
