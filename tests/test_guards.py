@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import torchrun
 from kiln.config import GuardsConfig
 from kiln.errors import KilnError
 from kiln.train.guards import (EXIT_RESTART, Action, HangWatchdog, PreemptionFlag, StepGuard,
@@ -144,12 +145,9 @@ def test_ranks_agree_on_a_signal_one_of_them_got(tmp_path):
         print(f"rank {rank} {seen} {all_ranks_agree(rank == 0)}", flush=True)
         dist.destroy_process_group()
     """))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node=2", str(worker)], capture_output=True, text=True,
-                          env=ENV, timeout=180, start_new_session=True)
-    assert done.returncode == 0, done.stderr[-2000:]
+    output = torchrun([str(worker)])
     for rank in (0, 1):
-        assert f"rank {rank} [False, False, True, True, True] True" in done.stdout
+        assert f"rank {rank} [False, False, True, True, True] True" in output
 
 
 def test_all_ranks_agree_without_a_process_group_is_the_local_flag():

@@ -265,3 +265,12 @@ def test_apply_without_a_reachable_cluster_is_a_clear_error(job, tmp_path):
     none = _kiln(*args, env={"KUBECONFIG": str(tmp_path / "missing"), "HOME": str(tmp_path),
                              "KUBERNETES_SERVICE_HOST": ""})
     assert none.returncode == 2 and "no Kubernetes cluster configured" in none.stderr, none.stderr
+
+
+def test_credential_in_the_job_file_is_refused_and_not_echoed(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(JOB + "checkpoint: {endpoint_url: 'https://admin:hunter2@minio.local'}\n")
+    with pytest.raises(KilnError, match=r"'checkpoint.endpoint_url' holds a credential "
+                                        r"\(https://minio.local\)") as e:
+        k8s.build(path, [], options())
+    assert "hunter2" not in str(e.value)

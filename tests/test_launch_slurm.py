@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import torchrun
 from kiln.config import load_config
 from kiln.errors import KilnError
 from kiln.launch import slurm
@@ -254,10 +255,7 @@ def test_sigterm_to_two_process_job_checkpoints_at_that_step_and_resumes_same_lo
         wait_for(job_id, slurm_env, lambda i: i.get("JobState") == "COMPLETED", "completion")
     finally:
         subprocess.run(["scancel", job_id], env=slurm_env, timeout=30)
-    reference = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "kiln", "train", str(job), "--set", "name=reference"],
-        capture_output=True, text=True, cwd=tmp_path, env=slurm_env, timeout=600)
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    torchrun(["-m", "kiln", "train", str(job), "--set", "name=reference",
+              "--set", f"out_dir={tmp_path / 'runs'}"], timeout=600)
     assert losses(run_dir / "metrics.jsonl") == losses(
         tmp_path / "runs" / "reference" / "metrics.jsonl")

@@ -12,6 +12,7 @@ import yaml
 
 from kiln.config import JobConfig, load_config
 from kiln.errors import KilnError
+from kiln.urls import redact
 
 # `scheme://user:secret@host`: a URL that carries credentials.
 _URL_USERINFO = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/@\s]+@")
@@ -59,7 +60,7 @@ def _looks_secret(value: str) -> bool:
 
 
 def _redact(value: str) -> str:
-    return _AWS_KEY_ID.sub("<key id>", re.sub(r"(://)[^/@\s]+@", r"\1<user:secret>@", value))
+    return _AWS_KEY_ID.sub("<key id>", redact(value))
 
 
 def _strings(node: Any, prefix: str = ""):
