@@ -211,6 +211,8 @@ class Checkpointer:
                 return None, self.storage
             candidates = list(reversed(self.storage.committed()))
             storage = self.storage
+            for url, reason in self.storage.skipped.items():  # each once, with its path
+                print(f"kiln: skipping checkpoint {redact(url)}: {reason}", flush=True)
         else:
             storage, candidates = _explicit(resume, self.ccfg.endpoint_url)
             newer = [c.step for c in self.storage.committed() if c.step > candidates[0].step]

@@ -6,6 +6,7 @@ missing field or column) is a KilnError naming the file, and the line where ther
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import os
@@ -41,6 +42,23 @@ class ReadStats:
     documents: int = 0
     bad_records: int = 0
     bad_examples: list[str] = field(default_factory=list)
+    invalid_utf8_bytes: int = 0
+    """Bytes that are not UTF-8, each run replaced by U+FFFD; counted so a user hears of them."""
+    invalid_utf8_files: list[str] = field(default_factory=list)
+
+
+_replaced_bytes = 0
+
+
+def _count_and_replace(error: UnicodeDecodeError) -> tuple[str, int]:
+    """The "replace" error handler, counting what it replaces (read one file at a time)."""
+    global _replaced_bytes
+    _replaced_bytes += error.end - error.start
+    return "\ufffd", error.end
+
+
+_ERRORS = "kiln-count-replace"
+codecs.register_error(_ERRORS, _count_and_replace)
 
 
 def _known(name: str) -> bool:
@@ -133,7 +151,7 @@ def detect_format(url: str, fmt: str) -> str:
 
 def _open(url: str, mode: str, storage_options: dict | None):
     """A file object; compressed files (.gz, .zst, ...) are decompressed on the fly."""
-    kwargs = {"encoding": "utf-8", "errors": "replace"} if "t" in mode else {}
+    kwargs = {"encoding": "utf-8", "errors": _ERRORS} if "t" in mode else {}
     if not is_url(url) and not any(url.endswith(s) for s in (".gz", ".bz2", ".xz", ".zst")):
         return open(url.removeprefix("file://"), mode, **kwargs)
     import fsspec
@@ -150,6 +168,7 @@ def read_documents(file: InputFile, fmt: str = "auto", text_field: str = "text",
     kind = detect_format(file.url, fmt)
     if file.size == 0:
         raise KilnError(f"input file {file.url} is empty")
+    replaced_before = _replaced_bytes
     try:
         if kind == "text":
             with _open(file.url, "rt", storage_options) as f:
@@ -169,6 +188,10 @@ def read_documents(file: InputFile, fmt: str = "auto", text_field: str = "text",
         raise KilnError(f"input file {file.url} does not exist (was it removed?)") from None
     except OSError as e:
         raise KilnError(f"cannot read {file.url}: {e.strerror or e}") from None
+    replaced = _replaced_bytes - replaced_before
+    if replaced:
+        stats.invalid_utf8_bytes += replaced
+        stats.invalid_utf8_files.append(file.url)
 
 
 def _bad(stats: ReadStats, skip: bool, message: str) -> None:
