@@ -279,13 +279,15 @@ class Storage:
         (a full disk, an unreachable store, no permission), else `error` itself.
 
         DCP's writer loses the errno of a full disk ("unexpected pos 704 vs 598"), so a local
-        root is also called full when its device has less than 1 MiB left after the failure."""
+        root is also called full when its device is left with less than 1 MiB (1% of a small
+        one) after the failure: the partly written file is still there, filling it."""
         if isinstance(error, KilnError):
             return error
         full = full_disk_in(error)
         if full is None and self.local:
             try:
-                if shutil.disk_usage(self._existing_local()).free < 1 << 20:
+                usage = shutil.disk_usage(self._existing_local())
+                if usage.free < min(1 << 20, usage.total // 100):
                     full = OSError(28, "No space left on device")
             except OSError:
                 pass

@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -365,9 +366,6 @@ _worker_tokenizer: TokenizerInfo | None = None
 
 def _init_worker(info: dict) -> None:
     global _worker_tokenizer
-    # Ctrl-C reaches the whole process group: the parent stops the pool, so a worker ignores it
-    # rather than print a KeyboardInterrupt traceback of its own.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
     from tokenizers import Tokenizer
 
@@ -447,7 +445,7 @@ def _tokenize(documents: Iterable[Document], tokenizer: TokenizerInfo, workers: 
             "fingerprint": tokenizer.fingerprint}
     # spawn, not fork: the parent may hold torch and tokenizers thread pools
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(info,)) as pool:
+    with _quiet_pool(ctx, workers, info) as pool:
         pending: list = []
         for chunk in _chunks(documents):
             pending.append((chunk, pool.apply_async(_encode, ([d.text for d in chunk],))))
@@ -456,6 +454,19 @@ def _tokenize(documents: Iterable[Document], tokenizer: TokenizerInfo, workers: 
                 yield done_chunk, _split_docs(*result.get())
         for done_chunk, result in pending:
             yield done_chunk, _split_docs(*result.get())
+
+
+def _quiet_pool(ctx, workers: int, info: dict):
+    """A pool whose workers ignore Ctrl-C: it reaches the whole process group, and the parent
+    stops the pool, so no worker prints a KeyboardInterrupt traceback of its own. A worker
+    inherits the ignoring from the moment it starts (an ignored signal survives exec)."""
+    if threading.current_thread() is not threading.main_thread():
+        return ctx.Pool(workers, initializer=_init_worker, initargs=(info,))
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return ctx.Pool(workers, initializer=_init_worker, initargs=(info,))
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def train_tokenizer(inputs: list[str], vocab_size: int, out_dir: str | Path,

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, scrub_credentials
 
 FORMATS = ("auto", "text", "jsonl", "parquet")
 _SUFFIXES = {".txt": "text", ".text": "text", ".md": "text", ".py": "text",
@@ -113,6 +113,10 @@ def _expand_local(pattern: str) -> list[InputFile]:
 
 
 def _expand_url(pattern: str, storage_options: dict | None) -> list[InputFile]:
+    if scrub_credentials(pattern) != pattern:
+        raise KilnError(f"input {scrub_credentials(pattern)}: credentials in a URL (user:secret@) "
+                        "are not used, and would end up in logs; set them in the environment "
+                        "(AWS_ACCESS_KEY_ID, ...) or with --storage-option")
     fs = _fs(pattern, storage_options)
     protocol = pattern.split("://", 1)[0]
     try:
