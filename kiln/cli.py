@@ -16,7 +16,8 @@ def _number(kind: type, test: Callable[[float], bool], rule: str) -> Callable[[s
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
         if not test(value):
             raise argparse.ArgumentTypeError(f"{text} is out of range: {rule}")
         return value
@@ -146,8 +147,9 @@ def _report_reading(stats) -> None:
               + "; ".join(stats.bad_examples[:3]))
     if stats.invalid_utf8_bytes:
         files = stats.invalid_utf8_files
-        print(f"kiln: note: {stats.invalid_utf8_bytes:,} bytes that are not UTF-8 were replaced "
-              f"by U+FFFD, in {len(files)} file{'s' if len(files) > 1 else ''}: "
+        print(f"kiln: note: {stats.invalid_utf8_bytes:,} invalid UTF-8 bytes (or JSON lone "
+              f"surrogates) were replaced by U+FFFD, in {len(files)} "
+              f"file{'s' if len(files) > 1 else ''}: "
               + ", ".join(files[:3]) + (", ..." if len(files) > 3 else ""))
 
 

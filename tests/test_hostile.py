@@ -281,6 +281,14 @@ def _export_into_file(h):
     return ["export-hf", h / "run", h / "out"], [str(h / "out")]
 
 
+def _tokenizer_config(data: bytes):
+    def case(h):
+        (h / "tok" / "tokenizer_config.json").write_bytes(data)
+        return ["prepare", h / "good.jsonl", "--tokenizer", h / "tok", "--out", h / "o"], \
+            ["tokenizer_config.json"]
+    return case
+
+
 def _device(name: str):
     def case(h):
         return ["train", job_file(h), "--set", f"train.device={name}"], [f"train.device '{name}'"]
@@ -332,6 +340,8 @@ CASES = [
     ("config-latin-1", _latin1_config),
     ("config-is-a-directory", _config_is_dir),
     ("set-unparsable", _bad_set),
+    ("tokenizer-config-not-utf8", _tokenizer_config(b'{"eos_token": "\xff"}')),
+    ("tokenizer-config-a-list", _tokenizer_config(b"[1]")),
     ("hf-config-a-list", _hf_config(b"[1, 2, 3]")),
     ("hf-config-not-utf8", _hf_config(b'{"model_type": "llama\xff"}')),
     ("hf-config-bad-value", _hf_config(json.dumps({"model_type": "llama", "vocab_size": -3,
@@ -381,7 +391,9 @@ def _empty_config(h):
 
 def _non_utf8_inputs(h):
     (h / "mixed.txt").write_bytes(b"alpha beta \xff\xfe gamma \x80 delta")
-    return ["prepare", h / "mixed.txt", h / "good.jsonl", "--tokenizer", h / "tok", "--out", h / "o"]
+    (h / "half.jsonl").write_bytes(b'{"text": "alpha \\ud800 beta"}\n')  # half a UTF-16 pair
+    return ["prepare", h / "mixed.txt", h / "half.jsonl", h / "good.jsonl", "--tokenizer",
+            h / "tok", "--out", h / "o"]
 
 
 OTHERS = {"resume-damaged": _resume_over_damaged_checkpoints, "empty-config": _empty_config,
@@ -471,8 +483,9 @@ def test_empty_config_says_it_takes_the_defaults(outcomes):
 def test_non_utf8_bytes_in_inputs_are_counted_and_named(outcomes):
     code, out, h, *_ = outcomes["non-utf8-inputs"]
     assert code == 0, out
-    assert "3 bytes that are not UTF-8" in out and "mixed.txt" in out and "good.jsonl" not in out
-    assert json.loads((h / "o" / "manifest.json").read_text())["invalid_utf8_bytes"] == 3
+    assert "4 invalid UTF-8 bytes" in out and "in 2 files" in out, out
+    assert "mixed.txt" in out and "half.jsonl" in out and "good.jsonl" not in out
+    assert json.loads((h / "o" / "manifest.json").read_text())["invalid_utf8_bytes"] == 4
 
 
 @pytest.fixture
@@ -552,6 +565,15 @@ def test_full_disk_while_checkpointing_is_said(small_disk, tmp_path, monkeypatch
         os.close(fd)
     error = storage.save_error(other, 1)
     assert isinstance(error, KilnError) and "no space left on the device" in str(error)
+
+
+def test_output_inside_an_input_directory_is_not_read_back(here, capsys):
+    (here / "corpus").mkdir()
+    shutil.copy(here / "good.jsonl", here / "corpus" / "a.jsonl")
+    argv = ["prepare", here / "corpus", "--tokenizer", here / "tok", "--out", here / "corpus" / "prep"]
+    assert kiln_here(argv, capsys)[0] == 0
+    code, out = kiln_here(argv, capsys)  # the manifest and tokenizer .json files are not inputs
+    assert code == 0 and "nothing to do" in out, out
 
 
 # -- object storage: one clear error, said in seconds, no credentials echoed -----------

@@ -114,7 +114,11 @@ def prepare(inputs: list[str], tokenizer: TokenizerInfo, out_dir: str | Path,
     options = options or PrepareOptions()
     sources = [p if is_url(p) else os.path.abspath(p.removeprefix("file://")) for p in inputs]
     out_dir = _check_out_dir(out_dir, sources)  # before any work: a refusal costs nothing
-    files = expand_inputs(inputs, options.storage_options)
+    # An output inside an input directory (corpus/ -> corpus/prepared) is not read back in.
+    files = [f for f in expand_inputs(inputs, options.storage_options)
+             if not _written_here(f.url, out_dir)]
+    if not files:
+        raise KilnError(f"every input file is inside --out {out_dir}")
     key = {"inputs": [[f.url, f.size, f.stamp] for f in files],
            **_key_options(tokenizer, options)}
     stats = ReadStats()
@@ -232,6 +236,15 @@ def _check_out_dir(out_dir: str | Path, sources: list[str]) -> Path:
                         f"({_some(theirs)}); choose another directory, or remove it first if it "
                         "is no longer needed")
     return resolved
+
+
+def _written_here(url: str, out_dir: Path) -> bool:
+    """Whether a file is in out_dir or in one of its staging siblings (.NAME.partial, ...)."""
+    if is_url(url):
+        return False
+    hidden = f".{out_dir.name}."
+    return any(p == out_dir or (p.parent == out_dir.parent and p.name.startswith(hidden))
+               for p in Path(url).parents)
 
 
 def _some(names: list[str]) -> str:

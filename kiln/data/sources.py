@@ -10,6 +10,7 @@ import codecs
 import glob
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -227,9 +228,22 @@ def _read_jsonl(url: str, text_field: str, score_field: str | None, skip: bool,
                 _bad(stats, skip, f"{url}, line {lineno}: field {text_field!r} is a "
                                   f"{type(text).__name__}, not a string")
                 continue
+            text = _without_lone_surrogates(text)
             score = _score(record.get(score_field), url, f"line {lineno}", score_field)
             stats.documents += 1
             yield Document(text, score)
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads already joined the valid pairs
+
+
+def _without_lone_surrogates(text: str) -> str:
+    """JSON may escape half a UTF-16 pair ("\\ud800"), which no tokenizer takes: each becomes
+    U+FFFD and is counted with the invalid UTF-8 bytes."""
+    global _replaced_bytes
+    fixed, count = _LONE_SURROGATE.subn("\ufffd", text)
+    _replaced_bytes += count
+    return fixed
 
 
 def _score(value, url: str, where: str, score_field: str | None) -> float | None:
