@@ -178,6 +178,10 @@ def _preflight(cfg) -> None:
     from kiln.train.device import resolve_device
 
     resolve_device(cfg.train.device)
+    for path in (cfg.run_dir, *cfg.run_dir.parents):
+        if path.exists() and not path.is_dir():
+            raise KilnError(f"the run directory {cfg.run_dir} (out_dir/name) cannot be made: "
+                            f"{path} is a file; set out_dir or name to another place")
     if cfg.checkpoint.enabled and cfg.checkpoint.dir:
         Storage(cfg.checkpoint.dir, cfg.checkpoint.endpoint_url).probe()
 

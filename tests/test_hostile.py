@@ -295,6 +295,11 @@ def _device(name: str):
     return case
 
 
+def _run_dir_is_a_file(h):
+    (h / "runs").write_text("mine\n")  # out_dir: runs, a file of that name already there
+    return ["train", job_file(h)], [str(h / "runs"), "is a file"]
+
+
 def _out_dot(h):
     return ["prepare", "good.jsonl", "--tokenizer", "tok", "--out", "."], ["--out ."]
 
@@ -357,6 +362,7 @@ CASES = [
     ("export-missing-run", _export_missing_run),
     ("export-into-a-file", _export_into_file),
     ("shard-corrupted-same-size", _corrupted_shard),
+    ("train-out-dir-is-a-file", _run_dir_is_a_file),
     ("device-unavailable", _device("cuda")),
     ("device-unknown", _device("gpu0")),
     ("s3-missing-bucket", _missing_bucket),
@@ -459,7 +465,7 @@ def test_hostile_input_is_one_clear_error_and_changes_nothing(outcomes, name):
     assert_refused(code, out, *culprits)
     assert_kept(before, h)
     if name not in WRITES_RUN_DIR_FIRST:  # train: nothing written before the run can start
-        assert not (h / "runs").exists()
+        assert not (h / "runs").is_dir()
 
 
 def test_resume_auto_skips_each_damaged_checkpoint_once_with_its_reason(outcomes):
