@@ -51,7 +51,7 @@ def bench(name: str, saves: int, root: Path) -> list[dict]:
             "checkpoint": {"dir": str(root / f"{name}-{async_save}"), "keep_last": 1,
                            "async": async_save}})
         model = Transformer(cfg.model)
-        model.init_weights(torch.Generator().manual_seed(0))
+        model.init_weights(0)
         optimizer = build_optimizer(model, cfg.optim)
         x = torch.randint(0, cfg.model.vocab_size, (1, 16))
         model(x).float().square().mean().backward()  # one real step: AdamW state exists

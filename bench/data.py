@@ -117,17 +117,19 @@ def trainer_tokens_per_s(cfg, loader, steps: int) -> float:
     from kiln.models.transformer import Transformer
     from kiln.train.optim import build_optimizer
     from kiln.train.precision import autocast
+    from kiln.data.batch import Batch
+    from kiln.tasks.pretrain import Pretrain
     from kiln.train.trainer import train_step
 
     torch.set_num_threads(2)
     model = Transformer(cfg.model)
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(0)
     optimizer = build_optimizer(model, cfg.optim)
     amp = autocast(cfg.precision, torch.device("cpu"))
-    train_step(model, optimizer, [next(loader)], amp, None)  # warm-up
+    train_step(model, optimizer, Pretrain().loss_sum, [next(loader)], amp)  # warm-up
     start = time.perf_counter()
     for _ in range(steps):
-        train_step(model, optimizer, [next(loader)], amp, None)
+        train_step(model, optimizer, Pretrain().loss_sum, [next(loader)], amp)
     return steps * cfg.train.micro_batch_size * cfg.data.seq_len / (time.perf_counter() - start)
 
 

@@ -3,6 +3,9 @@
     .venv/bin/python bench/throughput.py                          # the full run: 3 rounds, ~30 min
     .venv/bin/python bench/throughput.py --rounds 1 --steps 8     # a quick look
     .venv/bin/python bench/throughput.py --rows "kiln bf16,HF bf16"  # some rows only
+    .venv/bin/python bench/throughput.py --before ../kiln-old --rows "kiln fp32,before fp32"
+                                         # this checkout against another one (e.g. a worktree
+                                         # of an earlier commit), alternating, same workload
 
 The workload is the `bench-7m` preset (Llama shape, vocab 8192, hidden 256, 4 layers, 8 heads,
 4 KV heads, SwiGLU 704, untied), sequence 256, micro-batch 8, AdamW, 2 threads, on the same
@@ -38,6 +41,9 @@ ROWS = [
     ("HF bf16", "hf", "bf16", False),
     ("kiln bf16 compile", "kiln", "bf16", True),
     ("kiln fp32 compile", "kiln", "fp32", True),
+    # With --before DIR: kiln as that other checkout has it.
+    ("before fp32", "before", "fp32", False),
+    ("before bf16", "before", "bf16", False),
 ]
 # (numerator, denominator, target): the issue's targets on tokens/s; memory must not exceed HF's.
 RATIOS = [
@@ -47,6 +53,8 @@ RATIOS = [
     ("kiln bf16 compile", "HF fp32", 2.0),
     ("kiln bf16 compile", "HF bf16", 1.3),
     ("kiln fp32 compile", "HF fp32", 1.25),
+    ("kiln fp32", "before fp32", 1.0),
+    ("kiln bf16", "before bf16", 1.0),
 ]
 
 
@@ -74,19 +82,21 @@ def rss_mb(field: str) -> float:
 
 def run_kiln(precision: str, compile: bool, warmup: int, steps: int) -> tuple[list, float]:
     """kiln's own step: Transformer, parallelize (compile per block), fused AdamW, autocast."""
-    from kiln.config import OptimConfig, PrecisionConfig, ScheduleConfig, TrainConfig
+    from kiln.config import JobConfig, OptimConfig, PrecisionConfig, ScheduleConfig, TrainConfig
     from kiln.models.transformer import Transformer
     from kiln.parallel import parallelize
     from kiln.train.optim import build_optimizer
     from kiln.train.precision import autocast
     from kiln.train.schedule import lr_multiplier
+    from kiln.data.batch import Batch
+    from kiln.tasks.pretrain import Pretrain
     from kiln.train.trainer import train_step
 
     data = tokens(warmup + steps)
     torch.manual_seed(SEED)
     model = Transformer(model_config())
-    model.init_weights(torch.Generator().manual_seed(SEED))
-    model = parallelize(model, TrainConfig(compile=compile, num_threads=THREADS))
+    model.init_weights(SEED)
+    model = parallelize(model, None, JobConfig(train=TrainConfig(compile=compile, num_threads=THREADS)))
     ocfg = OptimConfig()
     optimizer = build_optimizer(model, ocfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -95,10 +105,10 @@ def run_kiln(precision: str, compile: bool, warmup: int, steps: int) -> tuple[li
     step_ends, losses = [], []
     for i in range(warmup + steps):
         rows = data[i * BATCH:(i + 1) * BATCH]
-        loss, _ = train_step(model, optimizer, [(rows[:, :-1], rows[:, 1:])], amp, ocfg.grad_clip)
+        loss, _ = train_step(model, optimizer, Pretrain().loss_sum, [Batch(rows[:, :-1], rows[:, 1:])], amp, ocfg.grad_clip)
         scheduler.step()
         step_ends.append((time.perf_counter(), time.process_time()))
-        losses.append(loss)
+        losses.append(float(loss))
     return step_ends, statistics.mean(losses)
 
 
@@ -161,8 +171,12 @@ def worker(args) -> None:
         "peak_rss_mb": rss_mb("VmHWM"), "rss_before_mb": before, "mean_loss": mean_loss}), flush=True)
 
 
-def spawn(framework: str, precision: str, compile: bool, warmup: int, steps: int) -> dict:
-    cmd = [sys.executable, __file__, "--worker", framework, "--precision", precision,
+def spawn(framework: str, precision: str, compile: bool, warmup: int, steps: int,
+          before: str | None = None) -> dict:
+    script = __file__
+    if framework == "before":  # the other checkout's own worker runs its own kiln
+        script, framework = str(Path(before) / "bench" / "throughput.py"), "kiln"
+    cmd = [sys.executable, script, "--worker", framework, "--precision", precision,
            "--warmup", str(warmup), "--steps", str(steps)] + (["--compile"] if compile else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -178,6 +192,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per run")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
     parser.add_argument("--rows", default=None, help="comma-separated row names to run")
+    parser.add_argument("--before", default=None, metavar="DIR",
+                        help="another kiln checkout for the 'before' rows (e.g. an earlier commit)")
     parser.add_argument("--worker", choices=["kiln", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--precision", choices=["fp32", "bf16"], help=argparse.SUPPRESS)
     parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
@@ -205,11 +221,12 @@ def main() -> None:
           f"{BATCH} x {SEQ_LEN} tokens/step, {args.warmup} warm-up + {args.steps} timed steps, "
           f"{args.rounds} rounds", flush=True)
 
-    rows = [r for r in ROWS if args.rows is None or r[0] in args.rows.split(",")]
+    rows = [r for r in ROWS if (args.rows is None or r[0] in args.rows.split(","))
+            and (args.before or r[1] != "before")]
     results: dict[str, list[dict]] = {name: [] for name, *_ in rows}
     for round_ in range(args.rounds):
         for name, framework, precision, compile in rows if round_ % 2 == 0 else rows[::-1]:
-            r = spawn(framework, precision, compile, args.warmup, args.steps)
+            r = spawn(framework, precision, compile, args.warmup, args.steps, args.before)
             results[name].append(r)
             print(f"  round {round_ + 1}  {name:<18} {r['tokens_per_s']:8,.0f} tokens/s "
                   f"({r['cpu_tokens_per_s']:6,.0f} per CPU time)  peak RSS "

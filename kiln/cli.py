@@ -7,7 +7,8 @@ import sys
 from collections.abc import Callable
 
 from kiln.config import load_config
-from kiln.errors import KilnError, scrub_credentials
+from kiln.errors import KilnError
+from kiln.urls import scrub_credentials
 
 
 def _number(kind: type, test: Callable[[float], bool], rule: str) -> Callable[[str], float]:
@@ -194,6 +195,10 @@ def _run(args: argparse.Namespace) -> None:
         _hf_command(args)
         return
     cfg = load_config(args.config, args.overrides)
+    if cfg.model.init_from:  # the shape comes from the directory's config.json
+        from kiln.checkpoint.hf_import import resolve_init_from
+
+        cfg = resolve_init_from(cfg)
     if args.command == "config":
         print(cfg.to_yaml(), end="")
     elif args.command == "train":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,9 +28,13 @@ class RopeScaling(Section):
     type: Literal["llama3"] = "llama3"
     """Only the Llama 3 frequency scaling is supported."""
     factor: float = Field(8.0, gt=0)
+    """How much the low frequencies are divided by (the context extension)."""
     low_freq_factor: float = Field(1.0, gt=0)
+    """Wavelengths above original_max_seq_len / low_freq_factor are scaled fully."""
     high_freq_factor: float = Field(4.0, gt=0)
+    """Wavelengths below original_max_seq_len / high_freq_factor are left as they are."""
     original_max_seq_len: int = Field(8192, gt=0)
+    """The context length the model was first trained at."""
 
 
 class ModelConfig(Section):
@@ -37,12 +42,16 @@ class ModelConfig(Section):
     """A named shape from kiln/models/presets.py; fields set here override it."""
     init_from: str | None = None
     """A Hugging Face model directory (config.json + safetensors): its config.json gives the
-    shape (fields set here override it, like a preset) and its weights initialise the model."""
+    shape (fields set here override it, like a preset) and its weights initialise the model.
+    Read by kiln.checkpoint.hf_import.resolve_init_from when a job starts, not here."""
     vocab_size: int = Field(8192, gt=0)
+    """Rows of the embedding and the output projection; at least the tokenizer's size."""
     dim: int = Field(256, gt=0)
     """Hidden size."""
     n_layers: int = Field(4, gt=0)
+    """Transformer blocks."""
     n_heads: int = Field(8, gt=0)
+    """Query heads."""
     n_kv_heads: int | None = Field(None, gt=0)
     """Key/value heads for grouped-query attention; None means n_heads (plain multi-head)."""
     head_dim: int | None = Field(None, gt=0)
@@ -50,15 +59,22 @@ class ModelConfig(Section):
     intermediate_size: int = Field(704, gt=0)
     """Hidden size of the SwiGLU MLP."""
     max_seq_len: int = Field(2048, gt=0)
+    """The longest sequence the model is meant for (exported as max_position_embeddings)."""
     rope_theta: float = Field(10000.0, gt=0)
+    """Base of the rotary embedding's frequencies."""
     rope_scaling: RopeScaling | None = None
+    """Llama 3 long-context frequency scaling; None: plain RoPE."""
     norm_eps: float = Field(1e-5, gt=0)
+    """Epsilon of every RMSNorm."""
     qkv_bias: bool = False
     """Bias on the q/k/v projections (Qwen2)."""
     qk_norm: bool = False
     """RMSNorm on each query and key head before RoPE (Qwen3)."""
     tie_embeddings: bool = False
+    """The output projection shares the embedding's weight."""
     init_std: float = Field(0.02, gt=0)
+    """Standard deviation of the initial weights (block output projections are scaled down
+    by sqrt(2 * n_layers))."""
 
     @model_validator(mode="before")
     @classmethod
@@ -70,16 +86,11 @@ class ModelConfig(Section):
             data = {**PRESETS[name], **data}
         return data
 
-    @model_validator(mode="before")
-    @classmethod
-    def _apply_init_from(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("init_from") is not None:
-            if data.get("preset") is not None:
-                raise ValueError("set model.preset or model.init_from, not both")
-            from kiln.checkpoint.hf_import import hf_model_fields  # reads config.json
-
-            data = {**hf_model_fields(data["init_from"]), **data}
-        return data
+    @model_validator(mode="after")
+    def _one_origin(self) -> ModelConfig:
+        if self.preset is not None and self.init_from is not None:
+            raise ValueError("set model.preset or model.init_from, not both")
+        return self
 
     @model_validator(mode="after")
     def _check_shape(self) -> ModelConfig:
@@ -107,6 +118,7 @@ class DataSourceConfig(Section):
     path: str
     """A directory written by `kiln prepare`."""
     split: str = "train"
+    """Which split of the prepared directory to read."""
     weight: float = Field(1.0, gt=0)
     """Share of training samples drawn from this source (normalised over all sources)."""
     order: Literal["shuffle", "difficulty"] = "shuffle"
@@ -120,6 +132,7 @@ class ValSetConfig(Section):
     path: str
     """A directory written by `kiln prepare`."""
     split: str = "val"
+    """Which split of the prepared directory to read."""
 
 
 class CurriculumStage(Section):
@@ -136,6 +149,7 @@ class DataConfig(Section):
     """'stdlib': the Python standard library's own source files, found at run time, prepared
     into shards in the run directory; 'shards': directories written by `kiln prepare`."""
     seq_len: int = Field(256, gt=0)
+    """Tokens per training sequence."""
     val_fraction: float = Field(0.05, gt=0, lt=1)
     """stdlib: share of files held out for validation (the split is by file)."""
     max_bytes: int | None = Field(None, gt=0)
@@ -183,10 +197,13 @@ class DataConfig(Section):
 
 class OptimConfig(Section):
     lr: float = Field(3e-4, gt=0)
+    """The peak learning rate (the schedule multiplies it)."""
     weight_decay: float = Field(0.1, ge=0)
     """Applied to matrices only; norms, biases and embeddings are excluded."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's decay rates of the first and second moment estimates."""
     eps: float = Field(1e-8, gt=0)
+    """AdamW's epsilon, added to the denominator."""
     grad_clip: float | None = Field(1.0, gt=0)
     """Clip the global gradient norm to this; None turns clipping off."""
 
@@ -195,6 +212,7 @@ class ScheduleConfig(Section):
     kind: Literal["cosine", "wsd", "constant"] = "cosine"
     """cosine: warmup then cosine decay; wsd: warmup-stable-decay; constant: warmup then flat."""
     warmup_steps: int = Field(100, ge=0)
+    """Steps of linear warmup from about zero to optim.lr."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     """The final LR as a fraction of optim.lr."""
     decay_fraction: float = Field(0.2, gt=0, le=1)
@@ -203,10 +221,21 @@ class ScheduleConfig(Section):
 
 class TrainConfig(Section):
     seed: int = 0
+    """Seeds the initial weights, the data order and every RNG."""
     micro_batch_size: int = Field(8, gt=0)
+    """Sequences per forward/backward pass on each data-parallel rank."""
     grad_accum_steps: int = Field(1, gt=0)
+    """Micro-batches per optimizer step on each rank, when no global batch size is given."""
+    global_batch_size: int | None = Field(None, gt=0)
+    """Sequences per optimizer step over all data-parallel ranks; the accumulation steps are
+    derived from it (global = micro_batch_size x accumulation x data-parallel ranks), so a
+    change of layout changes nothing in what is trained."""
+    global_batch_tokens: int | None = Field(None, gt=0)
+    """The same, stated in tokens (a multiple of data.seq_len)."""
     max_steps: int | None = Field(1000, gt=0)
+    """Optimizer steps to run."""
     max_tokens: int | None = Field(None, gt=0)
+    """Training tokens to read (over all ranks)."""
     max_time: float | None = Field(None, gt=0)
     """Seconds of training; whichever of the three budgets comes first stops the run."""
     device: str = "auto"
@@ -218,15 +247,62 @@ class TrainConfig(Section):
     compile: bool = False
     """torch.compile each transformer block."""
     log_interval: int = Field(10, gt=0)
+    """Steps between metrics lines (loss, tokens/s, ...); the only host-device syncs."""
     eval_interval: int = Field(100, gt=0)
+    """Steps between validation passes."""
     eval_batches: int = Field(8, gt=0)
+    """Micro-batches of each validation set per pass (the same ones every time)."""
     sample_prompt: str = "def "
+    """Text a sample at the end of the run continues."""
     sample_tokens: int = Field(64, ge=0)
+    """Tokens of that sample; 0 skips it."""
 
     @model_validator(mode="after")
     def _check_budget(self) -> TrainConfig:
         if self.max_steps is None and self.max_tokens is None and self.max_time is None:
             raise ValueError("set at least one of max_steps, max_tokens, max_time")
+        if self.global_batch_size is not None and self.global_batch_tokens is not None:
+            raise ValueError("set train.global_batch_size or train.global_batch_tokens, not both")
+        return self
+
+
+class ParallelConfig(Section):
+    """How the job's processes are laid out: the product of the sizes is the world size."""
+
+    dp_replicate: int = Field(1, gt=0)
+    """Data-parallel replicas, each holding a whole copy of the (sharded) model: HSDP's
+    replicate dimension (with dp_shard > 1) or plain data parallel (with dp_shard = 1)."""
+    dp_shard: int = Field(-1, ge=-1)
+    """Ranks the parameters, gradients and optimizer state are sharded over (FSDP2);
+    -1: whatever the world size leaves after the other dimensions."""
+    tp: int = Field(1, gt=0)
+    """Tensor-parallel ranks: attention heads and MLP columns split, sequence parallel on the norms."""
+    pp: int = Field(1, gt=0)
+    """Pipeline stages, each holding a contiguous run of the blocks."""
+    cp: int = Field(1, gt=0)
+    """Context-parallel ranks: the sequence split for ring attention (GPUs only)."""
+    pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble"] = "1F1B"
+    """The pipeline schedule, from torch.distributed.pipelining."""
+    pp_microbatches: int | None = Field(None, gt=0)
+    """Microbatches per pipeline step; None: the stages' count (the accumulation steps are
+    the microbatches)."""
+    pp_stages_per_rank: int = Field(1, gt=0)
+    """Stages each pipeline rank holds: 2 or more for the interleaved schedules."""
+    reshard_after_forward: bool = True
+    """FSDP2 frees each block's gathered weights after its forward (gathers again in backward):
+    less memory, one more all-gather per block."""
+    cpu_offload: bool = False
+    """FSDP2 keeps sharded parameters, gradients and optimizer state in CPU memory."""
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> ParallelConfig:
+        interleaved = self.pp_schedule in ("Interleaved1F1B", "InterleavedZeroBubble")
+        if interleaved and self.pp_stages_per_rank < 2:
+            raise ValueError(f"parallel.pp_schedule {self.pp_schedule} needs "
+                             "parallel.pp_stages_per_rank >= 2")
+        if not interleaved and self.pp_stages_per_rank != 1:
+            raise ValueError(f"parallel.pp_schedule {self.pp_schedule} runs one stage per rank; "
+                             "set parallel.pp_stages_per_rank to 1 or use Interleaved1F1B")
         return self
 
 
@@ -275,20 +351,26 @@ class JobConfig(Section):
     name: str = "run"
     """The run directory is <out_dir>/<name>."""
     out_dir: str = "runs"
+    """The folder that holds run directories."""
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     train: TrainConfig = TrainConfig()
     precision: PrecisionConfig = PrecisionConfig()
+    parallel: ParallelConfig = ParallelConfig()
     metrics: MetricsConfig = MetricsConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
 
     @model_validator(mode="after")
     def _check_job(self) -> JobConfig:
-        if self.data.seq_len > self.model.max_seq_len:
+        if self.data.seq_len > self.model.max_seq_len and self.model.init_from is None:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds "
                              f"model.max_seq_len={self.model.max_seq_len}")
+        tokens = self.train.global_batch_tokens
+        if tokens is not None and tokens % self.data.seq_len:
+            raise ValueError(f"train.global_batch_tokens={tokens} is not a multiple of "
+                             f"data.seq_len={self.data.seq_len}")
         return self
 
     @property
@@ -297,6 +379,39 @@ class JobConfig(Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Sequences per micro-batch and per optimizer step, for a given data-parallel degree."""
+
+    micro_batch_size: int
+    grad_accum_steps: int
+    global_batch_size: int
+    """Sequences per optimizer step over all data-parallel ranks."""
+    tokens_per_step: int
+    total_steps: int | None
+    """From train.max_steps or train.max_tokens; None when only train.max_time bounds the run."""
+
+
+def plan_batch(cfg: JobConfig, dp: int = 1) -> BatchPlan:
+    """The step's shape on `dp` data-parallel ranks; KilnError when the sizes do not divide."""
+    t = cfg.train
+    micro = t.micro_batch_size
+    wanted = t.global_batch_size or (t.global_batch_tokens // cfg.data.seq_len
+                                     if t.global_batch_tokens else None)
+    if wanted is None:
+        accum = t.grad_accum_steps
+    elif wanted % (micro * dp):
+        raise KilnError(f"train.global_batch_size={wanted} sequences cannot be split into "
+                        f"micro-batches of train.micro_batch_size={micro} on {dp} data-parallel "
+                        f"rank(s): it must be a multiple of {micro * dp}")
+    else:
+        accum = wanted // (micro * dp)
+    global_batch = micro * accum * dp
+    tokens = global_batch * cfg.data.seq_len
+    total = t.max_steps or (t.max_tokens // tokens if t.max_tokens else None)
+    return BatchPlan(micro, accum, global_batch, tokens, total)
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> JobConfig:

@@ -1,27 +1,16 @@
 """The one exception type for errors a user can cause; the CLI prints it without a traceback.
 
-Also the two translations every module needs: an OSError a user can cause (a full disk, no
-permission, a read-only mount) into one sentence naming the path, and URLs with credentials
-(`s3://KEY:SECRET@bucket`) into URLs without them, for every message and log line.
+Also the translation every module needs: an OSError a user can cause (a full disk, no
+permission, a read-only mount) into one sentence naming the path.
 """
 
 from __future__ import annotations
 
 import errno
-import re
 
 
 class KilnError(Exception):
     """A user-facing error: bad config, bad data, bad path. The message names what and where."""
-
-
-# scheme://user[:password]@ -> scheme://  (the userinfo of any URL in a message)
-_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]+@")
-
-
-def scrub_credentials(text: str) -> str:
-    """`text` with the user:password@ part of every URL in it removed."""
-    return _USERINFO.sub(r"\1", str(text))
 
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)

@@ -1,3 +1,9 @@
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -27,3 +33,31 @@ def tiny_job(tmp_path, **sections) -> JobConfig:
     for section, values in sections.items():
         raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
     return JobConfig.model_validate(raw)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, extra: list[str] = ()) -> str:
+    """Run `torchrun --standalone --nproc-per-node nproc ARGS` from the repo root; its output.
+
+    torchrun and its workers get a session of their own, so a hang or a failure is cleaned up
+    whole (no workers left behind). Fails the test with the output's tail on a non-zero exit.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+         *extra, *args],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"torchrun timed out after {timeout} s:\n{output[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-3000:]
+    return output

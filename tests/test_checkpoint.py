@@ -147,7 +147,7 @@ def test_truncated_or_tampered_checkpoint_is_skipped(reference, tmp_path, capsys
 
 def test_changed_model_shape_is_a_clear_error(reference, tmp_path):
     wider = job(copy_run(reference, tmp_path), steps=14, model={"intermediate_size": 192})
-    with pytest.raises(KilnError, match=r"different model shape.*blocks\.0\.mlp\.(gate|up|down)\.weight"):
+    with pytest.raises(KilnError, match=r"different model shape.*layers\.0\.mlp\.(gate|up|down)\.weight"):
         train(wider)
 
 

@@ -2,23 +2,16 @@
 processes over gloo) loads into 1 process with the same weights and optimizer state."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from conftest import tiny_job
+from conftest import tiny_job, torchrun
 from kiln.checkpoint.checkpointer import Checkpointer
 from kiln.checkpoint.storage import Storage
 from kiln.config import JobConfig
 from kiln.models.transformer import Transformer
 from kiln.train.optim import build_optimizer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 WORKER = """
 import json, sys
@@ -29,14 +22,14 @@ from kiln.checkpoint.checkpointer import Checkpointer, Progress
 from kiln.config import JobConfig
 from kiln.models.transformer import Transformer
 from kiln.train.optim import param_groups
-from kiln.train.trainer import cross_entropy_sum
+from kiln.train.loss import cross_entropy_sum
 
 dist.init_process_group("gloo")
 torch.set_num_threads(1)
 cfg = JobConfig.model_validate(json.loads(sys.argv[1]))
 model = Transformer(cfg.model)
-model.init_weights(torch.Generator().manual_seed(0))
-for block in model.blocks:
+model.init_weights(0)
+for block in model.layers.values():
     fully_shard(block)
 fully_shard(model)
 optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, foreach=True)  # DTensor params
@@ -77,20 +70,7 @@ def test_two_rank_sharded_checkpoint_loads_into_one_rank(tmp_path):
     cfg = tiny_job(tmp_path, model={"tie_embeddings": True}, checkpoint={"keep_last": None})
     script, expected_file = tmp_path / "worker.py", tmp_path / "expected.pt"
     script.write_text(WORKER)
-    # --standalone: torchrun picks a free port itself. A session of its own, so a hang is
-    # cleaned up whole (torchrun and both workers) rather than leaving workers behind.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(script), json.dumps(cfg.model_dump(mode="json", by_alias=True)), str(expected_file)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    try:
-        output, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output[-3000:]
+    torchrun([str(script), json.dumps(cfg.model_dump(mode="json", by_alias=True)), str(expected_file)])
     (committed,) = Storage(str(cfg.run_dir / "checkpoints")).committed()
     assert committed.step == 2 and committed.marker["world_size"] == 2
     assert {"__0_0.distcp", "__1_0.distcp"} <= set(committed.marker["files"])  # one shard per rank

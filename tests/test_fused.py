@@ -7,9 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from kiln.config import ModelConfig
-from kiln.models.fused import linear_cross_entropy, rms_norm, rope
+from kiln.models.fused import rms_norm, rope
+from kiln.data.batch import Batch
 from kiln.models.transformer import Transformer
-from kiln.train.trainer import cross_entropy_sum
+from kiln.tasks.pretrain import Pretrain
+from kiln.train.loss import chunked_cross_entropy, cross_entropy_sum, linear_cross_entropy
 
 
 def leaf(*shape, dtype=torch.float64, seed=0):
@@ -103,13 +105,37 @@ def test_linear_cross_entropy_under_bf16_autocast_is_close_and_keeps_fp32_grads(
         assert (fused - reference).norm() < 0.02 * reference.norm()
 
 
+class ScaledHead(torch.nn.Linear):
+    """A head whose forward is not nn.Linear's (as an adapter's would be): the loss must call it."""
+
+    def forward(self, x):
+        return super().forward(x) * 1.5
+
+
+@pytest.mark.parametrize("chunk_elements", [2**22, 3 * 50])
+def test_chunked_loss_calls_a_wrapped_head_as_a_module(chunk_elements):
+    hidden = leaf(2, 70, 16, dtype=torch.float32)
+    head = ScaledHead(16, 50, bias=False)
+    targets = torch.randint(0, 50, (2, 70), generator=torch.Generator().manual_seed(3))
+    targets[0, :9] = -100
+    expected = cross_entropy_sum(head(hidden), targets)
+    expected.backward()
+    gh, gw = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad = head.weight.grad = None
+    got = chunked_cross_entropy(hidden, head, targets, chunk_elements=chunk_elements)
+    got.backward()
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(hidden.grad, gh)
+    torch.testing.assert_close(head.weight.grad, gw)
+
+
 @pytest.mark.parametrize("extra", [{}, {"qkv_bias": True, "tie_embeddings": True},
                                    {"qk_norm": True, "head_dim": 32}])
 def test_model_loss_with_targets_matches_logits_then_cross_entropy(extra):
     cfg = ModelConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                       intermediate_size=96, max_seq_len=64, **extra)
     model = Transformer(cfg)
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(0)
     with torch.no_grad():  # non-trivial biases and norm weights, so their gradients are tested
         for name, p in model.named_parameters():
             if p.ndim == 1:
@@ -120,7 +146,7 @@ def test_model_loss_with_targets_matches_logits_then_cross_entropy(extra):
     targets[:, -1] = -100
     ce_reference_loss = cross_entropy_sum(model(tokens), targets)
     ce_reference_loss.backward()
-    fused_loss = twin(tokens, targets)
+    fused_loss = Pretrain().loss_sum(twin, Batch(tokens, targets))
     fused_loss.backward()
     torch.testing.assert_close(fused_loss, ce_reference_loss)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):

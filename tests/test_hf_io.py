@@ -10,7 +10,7 @@ import yaml
 from safetensors.torch import load_file, load_model
 
 from conftest import tiny_job
-from kiln.checkpoint.hf_import import load_hf_weights
+from kiln.checkpoint.hf_import import resolve_init_from, load_hf_weights
 from kiln.cli import main
 from kiln.config import JobConfig, ModelConfig
 from kiln.errors import KilnError
@@ -100,7 +100,7 @@ def test_import_hf_directory_trains_exports_and_reloads(family, tmp_path):
     assert yaml.safe_load(job_file.read_text())["model"]["init_from"] == str(source.resolve())
 
     # The weights load into our model unchanged: same logits as the transformers model.
-    cfg = tiny_job(tmp_path, model={"init_from": str(source)}, **QUICK)
+    cfg = resolve_init_from(tiny_job(tmp_path, model={"init_from": str(source)}, **QUICK))
     assert cfg.model.qkv_bias == (family == "qwen2") and cfg.model.rope_theta == FAMILIES[family][1]["rope_theta"]
     start = Transformer(cfg.model).eval()
     load_hf_weights(start, source)
@@ -119,11 +119,13 @@ def test_import_hf_directory_trains_exports_and_reloads(family, tmp_path):
 
 
 def test_import_errors_name_the_problem(tmp_path):
+    # Validation reads no files; resolving init_from (when a job starts) does.
+    unresolved = JobConfig.model_validate({"model": {"init_from": str(tmp_path / "missing")}})
     with pytest.raises(KilnError, match="config.json"):
-        JobConfig.model_validate({"model": {"init_from": str(tmp_path / "missing")}})
+        resolve_init_from(unresolved)
     source = tmp_path / "hf"
     hf_directory("llama", source)
-    wrong = tiny_job(tmp_path, model={"init_from": str(source), "intermediate_size": 128})
+    wrong = resolve_init_from(tiny_job(tmp_path, model={"init_from": str(source), "intermediate_size": 128}))
     with pytest.raises(KilnError, match=r"wrong shape.*mlp"):
         load_hf_weights(Transformer(wrong.model), source)
 

@@ -146,7 +146,7 @@ def world(tmp_path_factory) -> Path:
 
     cfg = JobConfig.model_validate({"model": MODEL, "data": {"seq_len": 16}})
     model = Transformer(cfg.model)
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(0)
     hf = w / "hf"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps(hf_config_from_model(cfg.model)))

@@ -9,11 +9,14 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_job
-from kiln.config import ModelConfig, ScheduleConfig, TrainConfig
+from kiln.config import JobConfig, ModelConfig, ScheduleConfig, TrainConfig
 from kiln.models.transformer import Transformer
 from kiln.parallel import parallelize
 from kiln.train.schedule import lr_multiplier
-from kiln.train.trainer import cross_entropy_sum, train, train_step
+from kiln.data.batch import Batch
+from kiln.tasks.pretrain import Pretrain
+from kiln.train.loss import cross_entropy_sum
+from kiln.train.trainer import train, train_step
 
 CFG = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                   intermediate_size=160, max_seq_len=64)
@@ -21,7 +24,7 @@ CFG = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
 
 def tiny_model(seed=0) -> Transformer:
     model = Transformer(CFG)
-    model.init_weights(torch.Generator().manual_seed(seed))
+    model.init_weights(seed)
     return model
 
 
@@ -38,14 +41,14 @@ def test_grad_accumulation_matches_one_big_batch():
     for micro in (8, 2):
         model = tiny_model()
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        batches = [(x[i:i + micro], y[i:i + micro]) for i in range(0, 8, micro)]
-        loss, _ = train_step(model, opt, batches, torch.autocast("cpu", enabled=False), None)
-        updated.append((loss, model.state_dict()))
+        batches = [Batch(x[i:i + micro], y[i:i + micro]) for i in range(0, 8, micro)]
+        loss, _ = train_step(model, opt, Pretrain().loss_sum, batches)
+        updated.append((loss.item(), model.state_dict()))
     (loss_one, one), (loss_four, four) = updated
     assert loss_one == pytest.approx(loss_four, rel=1e-6)
     for name in one:
         torch.testing.assert_close(one[name], four[name], rtol=1e-5, atol=1e-6, msg=name)
-    assert not torch.equal(one["blocks.0.mlp.up.weight"], tiny_model().state_dict()["blocks.0.mlp.up.weight"])
+    assert not torch.equal(one["layers.0.mlp.up.weight"], tiny_model().state_dict()["layers.0.mlp.up.weight"])
 
 
 def grads(model, x, y):
@@ -57,7 +60,7 @@ def grads(model, x, y):
 def test_activation_checkpointing_gives_same_gradients():
     x, y = batch()
     plain = tiny_model()
-    checkpointed = parallelize(copy.deepcopy(plain), TrainConfig(activation_checkpointing=True))
+    checkpointed = parallelize(copy.deepcopy(plain), None, JobConfig(train=TrainConfig(activation_checkpointing=True)))
     assert [n for n, _ in plain.named_parameters()] == [n for n, _ in checkpointed.named_parameters()]
     expected, got = grads(plain, x, y), grads(checkpointed, x, y)
     for name in expected:
@@ -87,7 +90,7 @@ def test_training_run_loss_falls_and_writes_run_dir(tmp_path):
     assert [r["step"] for r in train_lines] == [20, 40, 60, 80, 100]
     assert any("val_ppl" in r for r in records)
     weights = load_file(run / "model.safetensors")
-    assert weights["blocks.1.mlp.down.weight"].shape == (64, 160)
+    assert weights["layers.1.mlp.down.weight"].shape == (64, 160)
     assert result.sample
 
 

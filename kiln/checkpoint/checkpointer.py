@@ -25,9 +25,11 @@ from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_d
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from kiln.checkpoint.storage import Committed, Storage, is_url, redact
+from kiln.checkpoint.storage import Committed, Storage
+from kiln.urls import is_url, redact
 from kiln.config import JobConfig
 from kiln.errors import KilnError
+from kiln.parallel.mesh import rank_world
 
 # DCP warns on every call without a process group; one process is a case we mean to support.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -53,12 +55,6 @@ class Resumed:
     source: str
     changes: dict
     """Config fields that differ from the checkpoint's: {'optim.lr': [old, new], ...}."""
-
-
-def rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def rng_state() -> dict:
@@ -168,10 +164,18 @@ class Checkpointer:
         self._commit(step)
 
     def _commit(self, step: int) -> None:
-        # Rank 0's save returns only after every rank's files are written (DCP gathers their
-        # write results before it writes .metadata), so rank 0 alone can commit.
+        # Each rank hashes the files it wrote (DCP names them __<rank>_<n>.distcp); rank 0
+        # gathers the lists and writes the marker, last, once every rank's files are there.
+        mine = self.storage.describe_files(step, f"__{self.rank}_")
+        if self.group is not None:
+            gathered = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(mine, gathered, dst=0, group=self.group)
+        else:
+            gathered = [mine]
         if self.rank == 0:
-            self.storage.commit(step, {"world_size": self.world})
+            files = {name: meta for part in gathered for name, meta in part.items()}
+            others = self.storage.describe_files(step, exclude_prefix="__")  # .metadata, job.yaml, ...
+            self.storage.commit(step, {"world_size": self.world}, {**files, **others})
             self.storage.apply_retention(step, self.ccfg.keep_last, self.ccfg.keep_every)
 
     def wait(self) -> None:
@@ -190,9 +194,23 @@ class Checkpointer:
 
     def restore(self, resume: str) -> Resumed | None:
         """Load the checkpoint `resume` names ('auto': the newest committed, 'none', or a path)."""
-        committed, storage = self._choose(resume)
+        # Rank 0 chooses (and re-hashes the files it verifies); the others take its choice
+        # instead of every rank reading every file again.
+        choice = [None, None]
+        if self.rank == 0:
+            try:
+                committed, storage = self._choose(resume)
+                choice = [committed, storage.root if committed else None]
+            except KilnError as e:
+                choice = [e, None]
+        if self.group is not None:
+            dist.broadcast_object_list(choice, src=0, group=self.group)
+        committed, root = choice
+        if isinstance(committed, KilnError):
+            raise committed
         if committed is None:
             return None
+        storage = self.storage if root == self.storage.root else Storage(root, self.ccfg.endpoint_url)
         progress = self._load(committed, storage)
         changes = self._config_changes(storage, committed.step)
         return Resumed(progress, redact(committed.url), changes)
@@ -258,17 +276,10 @@ class Checkpointer:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         train = state["train"]
-        self.scheduler.load_state_dict(train["scheduler"])
         for group, h in zip(self.optimizer.param_groups, hyper):
             group.update(h)
-        # The LR at this step under this run's schedule: bit-identical to what LambdaLR would
-        # have set had the run not stopped, and right after a change of optim.lr or max_steps.
-        self.scheduler.base_lrs = [h["initial_lr"] for h in hyper]
-        lrs = [base * fn(self.scheduler.last_epoch)
-               for base, fn in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas)]
-        for group, lr in zip(self.optimizer.param_groups, lrs):
-            group["lr"] = lr
-        self.scheduler._last_lr = lrs
+        # The schedule's state is its step; the LR at that step comes from this run's config.
+        self.scheduler.load_state_dict(train["scheduler"])
         set_rng_state(state[rank_key]["rng"])
         self.loader.load_state_dict(state[rank_key]["data"])
         self.last_saved = train["step"]

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from kiln.checkpoint.checkpointer import JOB_FILE, TOKENIZER_FILES, find_checkpoint, reader_for
 from kiln.checkpoint.hf_import import shape_problems, unreadable
-from kiln.checkpoint.storage import is_url, redact
+from kiln.urls import is_url, redact
 from kiln.config import JobConfig, ModelConfig
 from kiln.errors import KilnError, os_error
 from kiln.outputs import check_output_dir
@@ -142,8 +142,6 @@ def _job(text: str, where: str) -> JobConfig:
     if not isinstance(raw, dict) or not isinstance(raw.get("model", {}), dict):
         raise KilnError(f"{where} is not a job config (a mapping of sections with a model: "
                         "section); it is the run's resolved config, written by kiln train")
-    # The shape is spelled out in the saved job; the directory it came from may be gone.
-    raw.get("model", {}).pop("init_from", None)
     try:
         return JobConfig.model_validate(raw)
     except ValueError as e:

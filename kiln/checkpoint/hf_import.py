@@ -14,8 +14,10 @@ import yaml
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from kiln.config import JobConfig, ModelConfig
 from kiln.errors import KilnError
-from kiln.models.hf import from_hf_state_dict, model_config_from_hf
+from kiln.models.hf import from_hf_state_dict, model_config_from_hf, to_hf_name
+from kiln.parallel.dtensor import copy_full_into
 
 INDEX = "model.safetensors.index.json"
 
@@ -40,6 +42,26 @@ def hf_model_fields(directory: str | Path) -> dict:
     """ModelConfig fields from DIR/config.json (what `model.init_from` fills in)."""
     cfg = model_config_from_hf(read_hf_config(directory), str(Path(directory) / "config.json"))
     return cfg.model_dump(exclude={"preset", "init_from"})
+
+
+def resolve_init_from(cfg: JobConfig) -> JobConfig:
+    """The job with model.init_from's shape filled in from its config.json.
+
+    Fields the job sets itself override the directory's (like a preset). Idempotent: a job
+    resolved once resolves to itself.
+    """
+    model = cfg.model
+    if model.init_from is None:
+        return cfg
+    explicit = model.model_dump(include=model.model_fields_set)
+    try:
+        resolved = ModelConfig.model_validate({**hf_model_fields(model.init_from), **explicit})
+    except ValueError as e:
+        raise KilnError(f"model.init_from {model.init_from}: {e}") from None
+    if cfg.data.seq_len > resolved.max_seq_len:
+        raise KilnError(f"data.seq_len={cfg.data.seq_len} exceeds the max_seq_len of "
+                        f"model.init_from {model.init_from} ({resolved.max_seq_len})")
+    return cfg.model_copy(update={"model": resolved})
 
 
 def weight_files(directory: str | Path) -> list[Path]:
@@ -70,16 +92,17 @@ def unreadable(file: Path, error: Exception) -> KilnError:
                      "or damaged: copy or download it again")
 
 
-def read_hf_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
-    state = {}
+def header_shapes(directory: str | Path) -> dict[str, tuple[Path, tuple]]:
+    """{HF name: (file, shape)} from the safetensors headers alone, no weights read."""
+    found = {}
     for file in weight_files(directory):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    state[name] = f.get_tensor(name)
+                    found[name] = (file, tuple(f.get_slice(name).get_shape()))
         except (SafetensorError, OSError) as e:
             raise unreadable(file, e) from None
-    return state
+    return found
 
 
 def shape_problems(expected: dict[str, tuple], found: dict[str, tuple]) -> list[str]:
@@ -110,33 +133,39 @@ def _ours(state: dict, tie: bool, directory) -> dict:
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, directory: str | Path) -> None:
-    """Copy the weights of a Hugging Face directory into our model (cast to its dtype)."""
-    ours = _ours(read_hf_state_dict(directory), model.cfg.tie_embeddings, directory)
-    expected = model.state_dict()
-    check_fit({n: t.shape for n, t in expected.items()}, {n: t.shape for n, t in ours.items()}, directory)
+    """Copy the weights of a Hugging Face directory into our model (cast to its dtype).
+
+    One tensor at a time, memory-mapped from the safetensors files; a sharded model (FSDP2,
+    tensor parallel) keeps only its own slice of each, so the whole model is never in memory.
+    """
+    tie = model.cfg.tie_embeddings
+    found = header_shapes(directory)
+    ours = _ours({n: torch.empty(s, device="meta") for n, (_, s) in found.items()}, tie, directory)
+    expected = dict(model.named_parameters())
+    check_fit({n: tuple(p.shape) for n, p in expected.items()},
+              {n: tuple(t.shape) for n, t in ours.items() if not (tie and n == "lm_head.weight")},
+              directory)
     for name, param in expected.items():
-        param.copy_(ours[name])
+        hf_name = to_hf_name(name)
+        file = found[hf_name][0]
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                copy_full_into(param, f.get_tensor(hf_name))
+        except (SafetensorError, OSError) as e:
+            raise unreadable(file, e) from None
 
 
 def job_yaml(directory: str | Path) -> str:
     """A starting job that continues training the model in DIR, checked to load."""
     directory = Path(directory).resolve()
     fields = hf_model_fields(directory)
-    from kiln.config import ModelConfig
     from kiln.models.transformer import Transformer, count_parameters
 
     cfg = ModelConfig(**fields)
     with torch.device("meta"):
         expected = {n: t.shape for n, t in Transformer(cfg).state_dict().items()}
     # Check names and shapes from the safetensors headers alone, without reading the weights.
-    found = {}
-    for file in weight_files(directory):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    found[name] = torch.empty(f.get_slice(name).get_shape(), device="meta")
-        except (SafetensorError, OSError) as e:
-            raise unreadable(file, e) from None
+    found = {n: torch.empty(shape, device="meta") for n, (_, shape) in header_shapes(directory).items()}
     ours = _ours(found, cfg.tie_embeddings, directory)
     check_fit(expected, {n: t.shape for n, t in ours.items()}, directory)
     model_type = read_hf_config(directory)["model_type"]

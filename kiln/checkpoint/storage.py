@@ -18,22 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
-from kiln.errors import PERMANENT, KilnError, full_disk_in, os_error, scrub_credentials
+from kiln.errors import PERMANENT, KilnError, full_disk_in, os_error
+from kiln.urls import is_url, redact, scrub_credentials
 
 MARKER = "COMMITTED.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 T = TypeVar("T")
-
-
-def is_url(path: str) -> bool:
-    return "://" in str(path) and not str(path).startswith("file://")
-
-
-def redact(url: str) -> str:
-    """The URL without any user:password@ part, for messages and logs."""
-    return scrub_credentials(str(url))
 
 
 def storage_options(url: str, endpoint_url: str | None) -> dict:
@@ -224,8 +215,8 @@ class Storage:
         else:  # an object PUT is atomic: it appears whole or not at all
             retry(lambda: self.fs.pipe_file(path, data))
 
-    def commit(self, step: int, extra: dict) -> Committed:
-        """Hash what is in the step's directory and write the marker, last."""
+    def describe_files(self, step: int, prefix: str = "", exclude_prefix: str | None = None) -> dict:
+        """{name: {size, sha256}} of the step's files whose names start with prefix."""
         path = self._step_path(step)
         try:
             self.fs.invalidate_cache()
@@ -233,10 +224,24 @@ class Storage:
             files = {}
             for e in entries:
                 name = e["name"].rstrip("/").rsplit("/", 1)[-1]
-                if name != MARKER and not name.endswith(".tmp") and e.get("type") == "file":
-                    files[name] = {"size": e["size"],
-                                   "sha256": retry(lambda: self._sha256(e["name"]))}
-            marker = {"step": step, "files": files, "time": time.time(), **extra}
+                if (name == MARKER or name.endswith(".tmp") or e.get("type") != "file"
+                        or not name.startswith(prefix)
+                        or (exclude_prefix and name.startswith(exclude_prefix))):
+                    continue
+                files[name] = {"size": e["size"],
+                               "sha256": retry(lambda: self._sha256(e["name"]))}
+        except Exception as e:  # noqa: BLE001 (botocore raises its own types)
+            raise self._failed(e, f"hashing the files of step {step}") from None
+        return files
+
+    def commit(self, step: int, extra: dict, files: dict | None = None) -> Committed:
+        """Write the marker, last: the files (as describe_files gives them; default: hash
+        everything in the step's directory) plus `extra`."""
+        path = self._step_path(step)
+        if files is None:
+            files = self.describe_files(step)
+        marker = {"step": step, "files": files, "time": time.time(), **extra}
+        try:
             self._put(f"{path}/{MARKER}", json.dumps(marker, indent=1).encode())
             if self.local:
                 _fsync_dir(path)

@@ -1,4 +1,4 @@
-"""Packed samples -> (inputs, targets) batches, read ahead in a background thread, resumable."""
+"""Packed samples -> Batch(tokens, labels), read ahead in a background thread, resumable."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from kiln.data.batch import Batch
 from kiln.data.sampler import Sampler, Stage
 from kiln.data.shards import PackedSamples
 from kiln.errors import KilnError
@@ -32,20 +33,20 @@ class ShardLoader:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Batch]:
         return self
 
-    def _produce(self) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:
+    def _produce(self) -> tuple[Batch, dict]:
         picks, stage = self.sampler.next_batch()
         rows = np.stack([self.sources[s].sample(i) for s, i in picks])
         batch = torch.from_numpy(rows)
         x, y = batch[:, :-1], batch[:, 1:]
         if stage.seq_len is not None and stage.seq_len != x.shape[1]:
             x, y = x.reshape(-1, stage.seq_len), y.reshape(-1, stage.seq_len)
-        x, y = x.contiguous(), y.contiguous()
+        batch = Batch(x.contiguous(), y.contiguous())
         if self.pin_memory:  # lets the copy to the GPU overlap with compute
-            x, y = x.pin_memory(), y.pin_memory()
-        return (x, y), self.sampler.state_dict()
+            batch = batch.pin_memory()
+        return batch, self.sampler.state_dict()
 
     def _run(self) -> None:
         # Read ahead while the trainer computes; numpy and memmap reads release the GIL.
@@ -63,7 +64,7 @@ class ShardLoader:
             if isinstance(item, BaseException):
                 return
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> Batch:
         if self.prefetch == 0:
             batch, self._state = self._produce()
             return batch
@@ -104,14 +105,14 @@ class ShardLoader:
 
 
 def fixed_batches(samples: PackedSamples, batch_size: int,
-                  n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                  n_batches: int) -> list[Batch]:
     """The first n_batches batches of a set, in order: a validation set that never changes."""
     n = min(len(samples), n_batches * batch_size)
     out = []
     for start in range(0, n, batch_size):
         rows = torch.from_numpy(np.stack([samples.sample(i)
                                           for i in range(start, min(start + batch_size, n))]))
-        out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
+        out.append(Batch(rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
     return out
 
 

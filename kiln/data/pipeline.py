@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from kiln.config import JobConfig
+from kiln.config import JobConfig, plan_batch
 from kiln.data.corpus import load_stdlib_corpus
 from kiln.data.loader import ShardLoader, fixed_batches
 from kiln.data.prepare import PrepareOptions, prepare_texts
@@ -32,16 +32,9 @@ class Data:
     info: TokenizerInfo | None = None
 
 
-def dist_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def build_data(cfg: JobConfig, run_dir: Path, rank: int | None = None,
-               world_size: int | None = None) -> Data:
-    if rank is None or world_size is None:
-        rank, world_size = dist_rank_world()
+def build_data(cfg: JobConfig, run_dir: Path, rank: int = 0, world_size: int = 1) -> Data:
+    """rank, world_size: this process's place among the data-parallel ranks (each reads its
+    own slice of every global batch; tensor/pipeline peers of one replica read the same)."""
     if cfg.data.source == "stdlib":
         info, train, val = _stdlib_shards(cfg, Path(run_dir))
     else:
@@ -118,13 +111,11 @@ def _stages(cfg: JobConfig, names: list[str], world_size: int) -> list[Stage]:
                        for n in names])
     if not cfg.data.curriculum:
         return [Stage(until=2**62, weights=base / base.sum())]
-    tcfg = cfg.train
-    tokens_per_step = tcfg.micro_batch_size * tcfg.grad_accum_steps * cfg.data.seq_len
-    total_steps = tcfg.max_steps or (tcfg.max_tokens // tokens_per_step if tcfg.max_tokens else None)
-    if not total_steps:
+    plan = plan_batch(cfg, world_size)
+    if not plan.total_steps:
         raise KilnError("data.curriculum is by training progress: set train.max_steps or "
                         "train.max_tokens so the run's length is known")
-    slots_per_step = tcfg.grad_accum_steps * world_size * tcfg.micro_batch_size
+    total_steps, slots_per_step = plan.total_steps, plan.global_batch_size
     stages = []
     for stage in cfg.data.curriculum:
         weights = (np.asarray([stage.weights.get(n, 0.0) for n in names])

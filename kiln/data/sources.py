@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.errors import KilnError, scrub_credentials
+from kiln.errors import KilnError
+from kiln.urls import is_url, scrub_credentials
 
 FORMATS = ("auto", "text", "jsonl", "parquet")
 _SUFFIXES = {".txt": "text", ".text": "text", ".md": "text", ".py": "text",
@@ -65,10 +66,6 @@ codecs.register_error(_ERRORS, _count_and_replace)
 def _known(name: str) -> bool:
     """A file a directory listing picks up: a known suffix, possibly compressed (a.jsonl.gz)."""
     return any(suffix in _SUFFIXES for suffix in Path(name).suffixes)
-
-
-def is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
 
 
 def _fs(url: str, storage_options: dict | None = None):

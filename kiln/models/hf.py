@@ -69,13 +69,13 @@ _NAMES = [
     ("embed.weight", "model.embed_tokens.weight"),
     ("norm.weight", "model.norm.weight"),
     ("lm_head.weight", "lm_head.weight"),
-    ("blocks.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("blocks.{i}.mlp_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("blocks.{i}.attn.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
-    ("blocks.{i}.attn.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
-    *[(f"blocks.{{i}}.attn.{x}.{p}", f"model.layers.{{i}}.self_attn.{x}_proj.{p}")
+    ("layers.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.mlp_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers.{i}.attn.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    ("layers.{i}.attn.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
+    *[(f"layers.{{i}}.attn.{x}.{p}", f"model.layers.{{i}}.self_attn.{x}_proj.{p}")
       for x in "qkvo" for p in ("weight", "bias")],
-    *[(f"blocks.{{i}}.mlp.{x}.weight", f"model.layers.{{i}}.mlp.{x}_proj.weight")
+    *[(f"layers.{{i}}.mlp.{x}.weight", f"model.layers.{{i}}.mlp.{x}_proj.weight")
       for x in ("gate", "up", "down")],
 ]
 

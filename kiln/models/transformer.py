@@ -8,13 +8,15 @@ q/k/v; Qwen3 normalises each query and key head; Llama 3 rescales the RoPE frequ
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import ModelConfig, RopeScaling
-from kiln.models.fused import linear_cross_entropy, rms_norm, rope
+from kiln.models.fused import rms_norm, rope
+from kiln.parallel.dtensor import copy_full_into
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -35,11 +37,31 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
     return torch.where(between, interpolated, scaled)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of each position's angles: (seq, 1, head_dim/2), for (batch, seq, heads, -)."""
-    positions = torch.arange(seq_len, dtype=torch.float32, device=inv_freq.device)
-    angles = torch.outer(positions, inv_freq).unsqueeze(1)
+def rope_cos_sin(inv_freq: torch.Tensor, seq_len: int,
+                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each position's angles, for q/k laid out (batch, seq, heads, head_dim).
+
+    Without positions: (seq, 1, head_dim/2), positions 0..seq-1. With positions (batch, seq),
+    e.g. restarting at 0 for each example packed into a sequence: (batch, seq, 1, head_dim/2).
+    """
+    if positions is None:
+        positions = torch.arange(seq_len, device=inv_freq.device)
+    angles = (positions.to(torch.float32).unsqueeze(-1) * inv_freq).unsqueeze(-2)
     return angles.cos(), angles.sin()
+
+
+def document_mask(document_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """Causal attention within each document: (batch, 1, seq, seq) booleans, True = attend.
+
+    None (plain causal attention) when there are no document ids. Several examples packed into
+    one sequence must not see each other; SDPA takes the mask on every device.
+    """
+    if document_ids is None:
+        return None
+    t = document_ids.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=document_ids.device).tril()
+    same = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)
+    return (same & causal).unsqueeze(1)
 
 
 class RMSNorm(nn.RMSNorm):
@@ -50,34 +72,33 @@ class RMSNorm(nn.RMSNorm):
 
 
 class Attention(nn.Module):
+    """Grouped-query attention with RoPE; q, k, v and o are called as modules, so tensor
+    parallel plans and adapters that replace them take effect."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_size
-        self.q = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.k = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.v = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.o = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.head_dim = cfg.head_size
+        self.q = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
         self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        h, kv = self.n_heads, self.n_kv_heads
-        # One matmul for q, k and v (and one in backward for their input gradient): wider
-        # matmuls run faster, and the parameters stay the three named as in Hugging Face.
-        qkv = F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight]),
-                       None if self.q.bias is None else
-                       torch.cat([self.q.bias, self.k.bias, self.v.bias]))
-        qkv = qkv.view(b, t, h + 2 * kv, self.head_dim)
-        if self.q_norm is None:
-            qk, v = qkv.split([h + kv, kv], dim=2)
-            q, k = rope(qk, cos, sin).split([h, kv], dim=2)  # q and k rotated together
-        else:
-            q, k, v = qkv.split([h, kv, kv], dim=2)
-            q, k = rope(self.q_norm(q), cos, sin), rope(self.k_norm(k), cos, sin)
+        # -1 heads, not n_heads: tensor parallel leaves each rank a slice of the heads.
+        q = self.q(x).view(b, t, -1, self.head_dim)
+        k = self.k(x).view(b, t, -1, self.head_dim)
+        v = self.v(x).view(b, t, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         # SDPA picks flash/cuDNN/memory-efficient kernels on GPUs and a fused kernel on CPU.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != h)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=q.shape[1] != k.shape[1])
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -91,8 +112,7 @@ class MLP(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, torch.cat([self.gate.weight, self.up.weight])).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
@@ -103,49 +123,75 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Transformer(nn.Module):
+    """embed -> layers -> norm -> lm_head. A pipeline stage deletes the parts it does not run
+    (setting embed, norm or lm_head to None and dropping layers); the names of the rest stay."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        # Keyed by layer index, so a stage that drops layers keeps the others' names.
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
+        self.tie_weights()
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def tie_weights(self) -> None:
+        """The output projection shares the embedding's weight (again after `to_empty`, which
+        gives each module a parameter of its own)."""
+        if self.cfg.tie_embeddings and self.embed is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed.weight
-        inv_freq = rope_frequencies(cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: (batch, seq) int64 -> logits (batch, seq, vocab); or, given targets (batch,
-        seq), the float32 cross-entropy summed over targets that are not -100.
+    def _inv_freq(self) -> torch.Tensor:
+        return rope_frequencies(self.cfg.head_size, self.cfg.rope_theta, self.cfg.rope_scaling)
 
-        With targets, the logits are never materialised whole (see fused.linear_cross_entropy):
-        the loss costs a fraction of their memory.
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
+        """tokens (batch, seq) int64, or the previous pipeline stage's hidden states -> logits
+        (batch, seq, vocab), or the final hidden states with return_hidden (the loss then runs
+        the head in chunks, kiln.train.loss) or when this stage has no head.
+
+        positions (batch, seq): each token's position for RoPE (default 0..seq-1);
+        document_ids (batch, seq): tokens attend only within their own document.
         """
-        cos, sin = rope_cos_sin(self.inv_freq, tokens.shape[1])
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x, cos, sin)
-        if targets is None:
-            return self.lm_head(self.norm(x))
-        return linear_cross_entropy(self.norm(x), self.lm_head.weight, targets)
+        h = self.embed(tokens) if self.embed is not None else tokens
+        cos, sin = rope_cos_sin(self.inv_freq, h.shape[1], positions)
+        mask = document_mask(document_ids)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, mask)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.lm_head is None or return_hidden:
+            return h
+        return self.lm_head(h)
 
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, init_std) everywhere; output projections of each block scaled by depth."""
+    def init_weights(self, seed: int = 0) -> None:
+        """Normal(0, init_std) matrices (block output projections scaled by depth), ones for
+        norms, zeros for biases, and the RoPE buffer.
+
+        Each parameter is drawn from a generator seeded by (seed, its name), as a whole tensor,
+        and each rank keeps its own slice: the same weights whatever the sharding or the
+        number of pipeline stages.
+        """
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
         std = self.cfg.init_std
         for name, p in self.named_parameters():
             if p.ndim == 1:  # norm weights, biases
-                p.fill_(1.0 if "norm" in name else 0.0)
+                full = torch.full(p.shape, 1.0 if "norm" in name else 0.0)
             else:
                 scale = 1 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o.weight", "down.weight")) else 1
-                p.normal_(0.0, std * scale, generator=generator)
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                full = torch.empty(p.shape).normal_(0.0, std * scale, generator=gen)
+            copy_full_into(p, full)
 
     @torch.no_grad()
     def generate(self, tokens: torch.Tensor, n_new: int, temperature: float = 0.8,

@@ -1,19 +1,6 @@
-"""Applied to a plain model from outside: activation checkpointing, then compile (later: TP, FSDP)."""
+"""Parallelism and other wrappers, applied to a plain model from outside, in torchtitan's
+order: tensor parallel, activation checkpointing, compile, then FSDP2 (see parallelize.py)."""
 
-from __future__ import annotations
+from kiln.parallel.parallelize import parallelize
 
-from torch import nn
-from torch.distributed._composable import checkpoint
-
-from kiln.config import TrainConfig
-
-
-def parallelize(model: nn.Module, cfg: TrainConfig) -> nn.Module:
-    """Wrap each transformer block in place; parameter names do not change."""
-    for block in model.blocks:
-        if cfg.activation_checkpointing:
-            # Recompute this block's activations in backward instead of keeping them.
-            checkpoint(block)
-        if cfg.compile:
-            block.compile()
-    return model
+__all__ = ["parallelize"]

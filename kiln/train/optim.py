@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kiln.config import OptimConfig
 
@@ -20,8 +21,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    # fused kernels exist for CUDA and CPU; foreach elsewhere (e.g. DTensor params).
-    device = next(model.parameters()).device.type
-    fused = device in ("cuda", "cpu")
+    # fused kernels exist for CUDA and CPU tensors; foreach for DTensors (sharded parameters).
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = params[0].device.type in ("cuda", "cpu") and not any(isinstance(p, DTensor) for p in params)
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
                              eps=cfg.eps, fused=fused, foreach=None if fused else True)

@@ -1,9 +1,11 @@
-"""Learning-rate schedules as a multiplier of optim.lr per step."""
+"""Learning-rate schedules: warmup then cosine, warmup-stable-decay, or constant."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+
+import torch
 
 from kiln.config import ScheduleConfig
 
@@ -28,3 +30,39 @@ def lr_multiplier(cfg: ScheduleConfig, total_steps: int) -> Callable[[int], floa
         return 1.0 - (1.0 - floor) * progress
 
     return multiplier
+
+
+class LRSchedule:
+    """Sets every parameter group's LR to peak_lr x multiplier(step).
+
+    Its state is the step alone: the peak LR and the shape of the schedule come from the run's
+    config, so a resumed run with a changed optim.lr or max_steps follows the new schedule from
+    the step it resumed at.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, peak_lr: float, cfg: ScheduleConfig,
+                 total_steps: int):
+        self.optimizer, self.peak_lr = optimizer, peak_lr
+        self.multiplier = lr_multiplier(cfg, total_steps)
+        self.step_count = 0
+        self._apply()
+
+    @property
+    def lr(self) -> float:
+        """The LR the next optimizer step uses."""
+        return self.peak_lr * self.multiplier(self.step_count)
+
+    def _apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+
+    def step(self) -> None:
+        self.step_count += 1
+        self._apply()
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = int(state["step"])
+        self._apply()
