@@ -6,6 +6,7 @@ field's type, and impossible combinations are caught here, before anything runs.
 
 from __future__ import annotations
 
+import sys
 import types
 import typing
 from dataclasses import dataclass
@@ -452,15 +453,22 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> JobConfig:
     """Read a YAML job file, apply `a.b=value` overrides, validate; KilnError on any problem."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as e:
         raise KilnError(f"cannot read config file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise KilnError(f"config file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                        f"offset {e.start}); a job config is a YAML text file") from None
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
         raise KilnError(f"{path}{line} is not valid YAML: {getattr(e, 'problem', e)}") from None
+    if raw is None:  # an empty file, or only comments: say so, it is rarely what was meant
+        print(f"kiln: note: config file {path} holds no settings; every section takes its "
+              "defaults", file=sys.stderr)
+        raw = {}
     if not isinstance(raw, dict):
         raise KilnError(f"{path} must hold a mapping of sections (model:, data:, train:, ...), "
                         f"not a {type(raw).__name__}")
@@ -490,7 +498,15 @@ def _apply_override(raw: dict, item: str, path: Path) -> None:
     # it to the field's type ("1e-3" -> 0.001).
     is_string = annotation is str or (typing.get_origin(annotation) is Literal and all(
         isinstance(a, str) for a in typing.get_args(annotation)))
-    node[leaf] = text if is_string else yaml.safe_load(text) if text else None
+    if is_string or not text:
+        node[leaf] = text if is_string else None
+        return
+    try:
+        node[leaf] = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise KilnError(f"--set {key}: the value {text!r} cannot be parsed "
+                        f"({getattr(e, 'problem', None) or 'not valid YAML'}); quote a string, "
+                        "e.g. --set 'name=\"my run\"'") from None
 
 
 def _section_class(cls: type | None, name: str) -> type | None:

@@ -155,12 +155,18 @@ class Checkpointer:
             upload = dcp.async_save(state, async_stager=self._stager, **kwargs)
             self._pending = self._executor.submit(self._commit_when_written, upload, step)
         else:
-            dcp.save(state, **kwargs)
+            try:
+                dcp.save(state, **kwargs)
+            except Exception as e:  # a full disk, an unreachable store: said as such
+                raise self.storage.save_error(e, step) from e
             self._commit(step)
         self.last_saved = step
 
     def _commit_when_written(self, upload: Future, step: int) -> None:
-        upload.result()
+        try:
+            upload.result()
+        except Exception as e:
+            raise self.storage.save_error(e, step) from e
         self._commit(step)
 
     def _commit(self, step: int) -> None:
@@ -229,6 +235,8 @@ class Checkpointer:
                 return None, self.storage
             candidates = list(reversed(self.storage.committed()))
             storage = self.storage
+            for url, reason in self.storage.skipped.items():  # each once, with its path
+                print(f"kiln: skipping checkpoint {redact(url)}: {reason}", flush=True)
         else:
             storage, candidates = _explicit(resume, self.ccfg.endpoint_url)
             newer = [c.step for c in self.storage.committed() if c.step > candidates[0].step]

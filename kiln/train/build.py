@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kiln.checkpoint.checkpointer import Checkpointer, Resumed
+from kiln.checkpoint.storage import Storage
 from kiln.checkpoint.hf_import import load_hf_weights, resolve_init_from
 from kiln.config import BatchPlan, JobConfig, plan_batch
 from kiln.data.pipeline import Data
@@ -23,6 +24,7 @@ from kiln.models.transformer import Transformer
 from kiln.parallel import parallelize
 from kiln.parallel.mesh import Layout, build_mesh, device_for_rank, dp_rank_size, rank_world, resolve_layout
 from kiln.tasks import build_task
+from kiln.train.device import resolve_device
 from kiln.train.optim import build_optimizer
 from kiln.train.precision import autocast
 from kiln.train.schedule import LRSchedule
@@ -59,19 +61,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise KilnError(f"train.device {name!r} is not a device name ({e})") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise KilnError(f"train.device {name!r}, but this machine has no usable CUDA device; "
-                        "set train.device: cpu (or auto)")
-    return device
-
-
 def build(cfg: JobConfig, resume: str = "auto") -> Run:
     cfg = resolve_init_from(cfg)
     tcfg = cfg.train
@@ -87,6 +76,8 @@ def build(cfg: JobConfig, resume: str = "auto") -> Run:
     mesh = build_mesh(layout, device.type)
     plan = plan_batch(cfg, layout.dp)
     run_dir = cfg.run_dir
+    if rank == 0:
+        preflight(cfg)
 
     task = build_task("pretrain")
     dp_rank, dp_size = dp_rank_size(mesh)
@@ -109,6 +100,17 @@ def build(cfg: JobConfig, resume: str = "auto") -> Run:
         (run_dir / "config.yaml.tmp").replace(run_dir / "config.yaml")
     return Run(cfg, run_dir, device, layout, mesh, plan, model, optimizer, schedule, task, data,
                autocast(cfg.precision, device), checkpointer, resumed, rank)
+
+
+def preflight(cfg: JobConfig) -> None:
+    """What can stop a run, checked before anything is written: the run directory can be made,
+    and the checkpoint directory is reachable and writable (a small probe object)."""
+    for path in (cfg.run_dir, *cfg.run_dir.parents):
+        if path.exists() and not path.is_dir():
+            raise KilnError(f"the run directory {cfg.run_dir} (out_dir/name) cannot be made: "
+                            f"{path} is a file; set out_dir or name to another place")
+    if cfg.checkpoint.enabled:
+        Storage(cfg.checkpoint.dir or str(cfg.run_dir / "checkpoints"), cfg.checkpoint.endpoint_url).probe()
 
 
 def build_model(cfg: JobConfig, mesh, device: torch.device) -> nn.Module:
