@@ -244,18 +244,28 @@ def describe_precision(precision: Precision, hw: Hardware) -> dict:
 
 
 def measure_bf16_speed_ratio(n: int = 256, repeats: int = 5) -> float:
-    """bf16 / fp32 speed of an n x n linear layer on the CPU, best of `repeats` (~10-80 ms)."""
-    best = {}
-    tensors = {dt: (torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt))
-               for dt in (torch.float32, torch.bfloat16)}
-    for x, w in tensors.values():
-        F.linear(x, w)  # the first call builds oneDNN's kernel
-    for _ in range(repeats):
-        for dt, (x, w) in tensors.items():  # interleaved, so load on the machine hits both
-            start = time.perf_counter()
-            F.linear(x, w)
-            best[dt] = min(best.get(dt, float("inf")), time.perf_counter() - start)
-    return best[torch.float32] / best[torch.bfloat16]
+    """bf16 / fp32 speed of an n x n linear layer on one CPU thread, best of `repeats`.
+
+    One thread: it measures the instructions, not how the machine's other load happens to
+    fall on a multi-threaded kernel (with 2 threads on a shared machine the ratio wandered
+    from 0.3 to 1.6 where one thread gave 0.11-0.13 every time). 10-40 ms.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = {}
+        tensors = {dt: (torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt))
+                   for dt in (torch.float32, torch.bfloat16)}
+        for x, w in tensors.values():
+            F.linear(x, w)  # the first call builds oneDNN's kernel
+        for _ in range(repeats):
+            for dt, (x, w) in tensors.items():  # interleaved, so load on the machine hits both
+                start = time.perf_counter()
+                F.linear(x, w)
+                best[dt] = min(best.get(dt, float("inf")), time.perf_counter() - start)
+        return best[torch.float32] / best[torch.bfloat16]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _cpu_support(hw: Hardware, name: str, x86_flags: set[str], arm_flags: set[str],
