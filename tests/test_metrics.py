@@ -13,7 +13,7 @@ import torch
 from kiln.train import metrics
 from kiln.train.metrics import cached_measurement, resolve_peak, table_peak_tflops
 from kiln.train.trainer import train
-from tests.conftest import tiny_job
+from conftest import tiny_job
 
 REPO = Path(__file__).resolve().parents[1]
 
