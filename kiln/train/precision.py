@@ -151,11 +151,11 @@ def resolve_precision(cfg: PrecisionConfig, hw: Hardware) -> Precision:
         return Precision(asked, "fp16", f"set in the config, with a gradient scaler; {why_fp16}",
                          warning)
     has_fp8, why_fp8 = fp8_support(hw)
+    if cfg.fp8_emulate:
+        return Precision(asked, "fp8", f"set in the config, emulated (precision.fp8_emulate); "
+                                       f"{why_fp8}", fp8_emulated=True)
     if has_fp8:
         return Precision(asked, "fp8", f"set in the config; {why_fp8}; {cfg.fp8_recipe} scaling")
-    if cfg.fp8_emulate:
-        return Precision(asked, "fp8", f"set in the config, emulated (precision.fp8_emulate): "
-                                       f"{why_fp8}", fp8_emulated=True)
     instead = "bf16" if native_bf16 else ("fp16" if native_fp16 else "fp32")
     raise KilnError(
         f"precision.dtype=fp8 needs a GPU with FP8 tensor cores (NVIDIA compute capability 8.9 "
