@@ -51,10 +51,12 @@ SMOKE = dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, interm
 def run_case(name: str, smoke: bool, warmup: int, steps: int) -> dict:
     from torch import nn
 
-    from kiln.config import ModelConfig, OptimConfig, PrecisionConfig, TrainConfig
+    from kiln.config import JobConfig, PrecisionConfig
+    from kiln.data.batch import Batch
     from kiln.models.transformer import Transformer, count_parameters, flops_per_token
     from kiln.parallel import parallelize
     from kiln.parallel.float8 import convert_to_float8
+    from kiln.tasks import build_task
     from kiln.train.metrics import resolve_peak
     from kiln.train.optim import build_optimizer
     from kiln.train.precision import autocast, detect_hardware, resolve_precision
@@ -62,30 +64,35 @@ def run_case(name: str, smoke: bool, warmup: int, steps: int) -> dict:
     case = CASES[name]
     device = torch.device("cpu" if smoke else "cuda")
     batch, seq = (2, 64) if smoke else (case.batch, case.seq)
-    mcfg = ModelConfig(preset="llama-3.2-1b", max_seq_len=seq, **(SMOKE if smoke else case.shape))
-    # fp8 emulated on the CPU; the small layers of the smoke shape converted anyway.
-    pcfg = PrecisionConfig(dtype=case.precision, fp8_emulate=smoke,
-                           fp8_min_dim=32 if smoke else PrecisionConfig().fp8_min_dim)
+    # fp8 emulated on the CPU, with the smoke shape's small layers converted anyway.
+    precision_cfg = dict(dtype=case.precision, fp8_emulate=smoke,
+                         fp8_min_dim=32 if smoke else PrecisionConfig().fp8_min_dim)
+    cfg = JobConfig.model_validate({
+        "model": {"preset": "llama-3.2-1b", "max_seq_len": seq, **(SMOKE if smoke else case.shape)},
+        "data": {"seq_len": seq}, "precision": precision_cfg,
+        "train": {"compile": not smoke, "activation_checkpointing": True}})
     hw = detect_hardware(device, probe=False)
-    precision = resolve_precision(pcfg, hw)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Transformer(mcfg)
-    model.init_weights()
-    converted = []
-    if precision.dtype == "fp8":  # before compile (and TP/FSDP), as torchtitan does
-        converted = convert_to_float8(model, pcfg, hw)
-    model = parallelize(model, TrainConfig(compile=not smoke, activation_checkpointing=True))
-    optimizer = build_optimizer(model, OptimConfig())
+    precision = resolve_precision(cfg.precision, hw)
+    # As kiln.train.build builds a run: on the meta device, fp8 conversion before parallelize
+    # (compile, checkpointing), then materialised on the device.
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    converted = convert_to_float8(model, cfg.precision, hw) if precision.dtype == "fp8" else []
+    parallelize(model, None, cfg)
+    model.to_empty(device=device)
+    model.tie_weights()
+    init_on_device(model, cfg.model.init_std)
+    optimizer = build_optimizer(model, cfg.optim)
+    loss_sum = build_task("pretrain").loss_sum
     amp = autocast(precision, device)
-    data = torch.randint(0, mcfg.vocab_size, (warmup + steps, batch, seq + 1),
+    data = torch.randint(0, cfg.model.vocab_size, (warmup + steps, batch, seq + 1),
                          generator=torch.Generator().manual_seed(0)).to(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def step(i: int) -> torch.Tensor:
-        x, y = data[i, :, :-1], data[i, :, 1:]
+        b = Batch(tokens=data[i, :, :-1], labels=data[i, :, 1:])
         with amp:
-            loss = model(x, y) / y.numel()  # kiln's fused head + loss (kiln.train.loss after the reshape)
+            loss = loss_sum(model, b) / b.labels.numel()
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -106,11 +113,25 @@ def run_case(name: str, smoke: bool, warmup: int, steps: int) -> dict:
     tokens_per_s = steps * batch * seq / seconds
     peak = resolve_peak(device, precision.matmul_dtype)
     peak_mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    return {"case": name, "params_b": count_parameters(mcfg) / 1e9, "precision": precision.summary,
-            "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token(mcfg, seq) / peak.flops,
+    mfu = tokens_per_s * flops_per_token(cfg.model, seq) / peak.flops
+    return {"case": name, "params_b": count_parameters(cfg.model) / 1e9,
+            "precision": precision.summary, "tokens_per_s": tokens_per_s, "mfu": mfu,
             "peak": peak.source, "peak_mem_gib": peak_mem, "warmup_s": warmup_s,
             "loss_first": first.item(), "loss_last": last.item(), "fp8_layers": len(converted),
             "batch": batch, "seq": seq, "steps": steps}
+
+
+@torch.no_grad()
+def init_on_device(model: torch.nn.Module, std: float) -> None:
+    """Random weights drawn on the device: Transformer.init_weights draws each tensor on the
+    CPU (the same weights for any sharding), which for 3B parameters costs most of a minute;
+    throughput does not depend on the values."""
+    model.inv_freq = model._inv_freq().to(model.inv_freq.device)
+    for name, p in model.named_parameters():
+        if p.ndim == 1:
+            p.fill_(1.0 if "norm" in name else 0.0)
+        else:
+            p.normal_(0.0, std)
 
 
 def spawn(name: str, args, timeout: float) -> dict:
