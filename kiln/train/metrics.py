@@ -92,7 +92,8 @@ def resolve_peak(device: torch.device, dtype: str, configured_tflops: float | No
     device = torch.device(device)
     if configured_tflops is not None:
         return Peak(configured_tflops * 1e12, "metrics.peak_tflops")
-    if dtype == "fp32" and device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+    tf32 = torch.get_float32_matmul_precision() != "highest"
+    if dtype == "fp32" and device.type == "cuda" and tf32:
         dtype = "tf32"  # fp32 matmuls run on TF32 tensor cores
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)

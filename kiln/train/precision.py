@@ -279,7 +279,8 @@ def _cpu_support(hw: Hardware, name: str, x86_flags: set[str], arm_flags: set[st
         return False, (f"PyTorch's CPU kernels are limited to {hw.cpu_capability or 'DEFAULT'} "
                        f"(ATEN_CPU_CAPABILITY), which has no {name}")
     if hw.onednn_max_isa in onednn_without:
-        return False, f"oneDNN is limited to {hw.onednn_max_isa} (ONEDNN_MAX_CPU_ISA), which has no {name}"
+        return False, (f"oneDNN is limited to {hw.onednn_max_isa} (ONEDNN_MAX_CPU_ISA), "
+                       f"which has no {name}")
     ratio = hw.bf16_speed_ratio
     if ratio is not None and ratio < _NATIVE_MIN_RATIO:
         return False, f"a {name} matmul measured {1 / ratio:.1f}x slower than fp32 on this CPU"
