@@ -147,32 +147,56 @@ def default_cache_dir() -> Path:
 
 
 def measure_matmul_flops(dtype: torch.dtype, device: torch.device = torch.device("cpu"),
-                         budget_s: float = 0.8) -> float:
-    """Best FLOP/s of square matmuls (a @ b and F.linear, which take different kernels on a
-    CPU) in `dtype`, growing from 256 until one takes 50 ms or the time budget is spent."""
+                         budget_s: float = 0.6) -> float:
+    """Peak FLOP/s of matmuls in `dtype` on `device`, measured within about budget_s.
+
+    On a CPU: the best rate of one thread (square a @ b and F.linear, which take different
+    kernels, 256 to 1024 wide) times the thread count. One thread's short matmuls fit in the
+    slices of time a loaded machine gives a process, so the figure does not sink with the
+    machine's load as a multi-threaded measurement does (on this project's shared 2-core
+    machine one came out 7x low, and the cached figure made every later MFU wrong), and a
+    run's threads can only do worse than ideal scaling, so its MFU stays at most 1.
+    On a GPU: the best rate growing from 256 to 8192 wide.
+    """
     device = torch.device(device)
-    max_n = 8192 if device.type == "cuda" else 2048
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        return _best_rate(dtype, device, (256, 1024, 4096, 8192), budget_s, torch.cuda.synchronize)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return threads * _best_rate(dtype, device, (256, 512, 1024), budget_s, lambda: None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _best_rate(dtype: torch.dtype, device: torch.device, sizes: tuple[int, ...], budget_s: float,
+               sync) -> float:
+    """Best FLOP/s over rounds of every size and both kernels until the budget is spent;
+    a size whose matmul takes over 50 ms (an emulated dtype) is dropped after its first round."""
     deadline = time.perf_counter() + budget_s
-    best, n = 0.0, 256
-    while True:
-        a = torch.randn(n, n, dtype=dtype, device=device)
-        b = torch.randn(n, n, dtype=dtype, device=device)
-        slowest = 0.0
-        for op in (torch.mm, F.linear):
-            op(a, b)  # warm up: kernel selection, oneDNN primitive creation
-            sync()
-            for _ in range(3):
+    operands = {}
+    best = 0.0
+    while sizes:
+        for n in sizes:
+            if n not in operands:
+                operands[n] = (torch.randn(n, n, dtype=dtype, device=device),
+                               torch.randn(n, n, dtype=dtype, device=device))
+                for op in (torch.mm, F.linear):
+                    op(*operands[n])  # warm up: kernel selection, oneDNN primitive creation
+                sync()
+            slowest = 0.0
+            for op in (torch.mm, F.linear):
                 start = time.perf_counter()
-                op(a, b)
+                op(*operands[n])
                 sync()
                 seconds = time.perf_counter() - start
                 best, slowest = max(best, 2 * n**3 / seconds), max(slowest, seconds)
                 if time.perf_counter() > deadline:
                     return best
-        if slowest > 0.05 or n >= max_n:
-            return best
-        n *= 2
+            if slowest > 0.05:
+                sizes = tuple(m for m in sizes if m < n)
+                break
+    return best
 
 
 def _machine_key(device: torch.device, dtype: str) -> dict:
