@@ -92,6 +92,23 @@ def test_cpu_peak_for_bf16_is_never_below_fp32(tmp_path, monkeypatch):
     assert peak.flops == 50e9 and "fp32 (faster than bf16 here)" in peak.source
 
 
+def test_unknown_gpu_is_measured_and_its_fp8_is_twice_bf16(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Mystery GPU")
+    measured = []
+
+    def measure(dtype, device):
+        measured.append((dtype, device.type))
+        return 100e12
+
+    monkeypatch.setattr(metrics, "measure_matmul_flops", measure)
+    cuda = torch.device("cuda")
+    assert resolve_peak(cuda, "bf16", cache_dir=tmp_path).flops == 100e12
+    fp8 = resolve_peak(cuda, "fp8", cache_dir=tmp_path)  # from the cached bf16 figure
+    assert fp8.flops == 200e12 and "2x its measured bf16" in fp8.source
+    assert measured == [(torch.bfloat16, "cuda")]
+    assert resolve_peak(cuda, "bf16", 50.0, cache_dir=tmp_path).flops == 50e12
+
+
 def mfus(run_dir: Path) -> list[float]:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [x["mfu"] for x in lines if "mfu" in x]

@@ -100,6 +100,10 @@ def resolve_peak(device: torch.device, dtype: str, configured_tflops: float | No
         known = table_peak_tflops(name, dtype)
         if known:
             return Peak(known[1] * 1e12, f"{known[0]} {dtype} dense, datasheet")
+        if dtype == "fp8":  # FP8 tensor cores run at twice the bf16 rate on every part that has them
+            flops = 2 * cached_measurement(device, "bf16", cache_dir)
+            return Peak(flops, f"{name} fp8: 2x its measured bf16 matmul (set metrics.peak_tflops "
+                               "to override)")
         flops = cached_measurement(device, dtype, cache_dir)
         return Peak(flops, f"{name} {dtype} matmul, measured (set metrics.peak_tflops to override)")
     flops = cached_measurement(device, dtype, cache_dir)
