@@ -307,8 +307,19 @@ class ParallelConfig(Section):
 
 
 class PrecisionConfig(Section):
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    """Compute dtype under autocast; master weights and optimizer state stay fp32."""
+    dtype: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
+    """Compute dtype; master weights and optimizer state stay fp32. auto: bf16 where the
+    hardware runs it natively (GPUs of compute capability 8.0+, ROCm MI200/MI300, CPUs with
+    AVX512-BF16 or AMX, Arm CPUs with bf16), fp16 with a gradient scaler on GPUs without bf16
+    (V100, T4), else fp32. fp8: float8 linear layers (torchao) under bf16 autocast, on GPUs with
+    FP8 (compute capability 8.9+, MI300X); never chosen by auto."""
+    fp8_recipe: Literal["rowwise", "tensorwise"] = "rowwise"
+    """fp8 only: one scale per row (more accurate) or per tensor (faster, float8 all-gather)."""
+    fp8_min_dim: int = Field(1024, ge=16)
+    """fp8 only: a linear layer stays bf16 when its input or output size is below this
+    (the casts cost more than the fp8 matmul saves on small layers)."""
+    fp8_emulate: bool = False
+    """fp8 only: run torchao's float8 in emulation on any device (slow; for testing numerics)."""
 
 
 class MetricsConfig(Section):
