@@ -26,7 +26,7 @@ from kiln.parallel.mesh import Layout, build_mesh, device_for_rank, dp_rank_size
 from kiln.tasks import build_task
 from kiln.train.device import resolve_device
 from kiln.train.optim import build_optimizer
-from kiln.train.precision import autocast
+from kiln.train.precision import Precision, autocast, describe_precision, detect_hardware, grad_scaler, resolve_precision
 from kiln.train.schedule import LRSchedule
 
 
@@ -45,6 +45,11 @@ class Run:
     task: object
     data: Data
     amp: object
+    precision: Precision
+    """The resolved choice (precision.dtype auto -> what this hardware runs natively)."""
+    precision_record: dict
+    scaler: object
+    """A GradScaler for fp16, else None."""
     checkpointer: Checkpointer
     resumed: Resumed | None
     rank: int
@@ -78,6 +83,14 @@ def build(cfg: JobConfig, resume: str = "auto") -> Run:
     run_dir = cfg.run_dir
     if rank == 0:
         preflight(cfg)
+    hardware = detect_hardware(device)
+    precision = resolve_precision(cfg.precision, hardware)
+    if rank == 0:
+        print(f"kiln: {precision.summary}", flush=True)
+        if precision.warning:
+            print(f"kiln: warning: {precision.warning}", flush=True)
+    # The run's config records what runs; the metrics log records why.
+    cfg = cfg.model_copy(update={"precision": cfg.precision.model_copy(update={"dtype": precision.dtype})})
 
     task = build_task("pretrain")
     dp_rank, dp_size = dp_rank_size(mesh)
@@ -90,7 +103,7 @@ def build(cfg: JobConfig, resume: str = "auto") -> Run:
     if rank != 0:
         data = task.build_data(cfg, run_dir, dp_rank, dp_size)
 
-    model = build_model(cfg, mesh, device)
+    model = build_model(cfg, mesh, device, hardware)
     optimizer = build_optimizer(model, cfg.optim)
     schedule = LRSchedule(optimizer, cfg.optim.lr, cfg.schedule, plan.total_steps or 1)
     checkpointer = Checkpointer(cfg, run_dir, model, optimizer, schedule, data.train)
@@ -99,7 +112,8 @@ def build(cfg: JobConfig, resume: str = "auto") -> Run:
         (run_dir / "config.yaml.tmp").write_text(cfg.to_yaml())
         (run_dir / "config.yaml.tmp").replace(run_dir / "config.yaml")
     return Run(cfg, run_dir, device, layout, mesh, plan, model, optimizer, schedule, task, data,
-               autocast(cfg.precision, device), checkpointer, resumed, rank)
+               autocast(precision, device), precision, describe_precision(precision, hardware),
+               grad_scaler(precision, device), checkpointer, resumed, rank)
 
 
 def preflight(cfg: JobConfig) -> None:
@@ -113,11 +127,17 @@ def preflight(cfg: JobConfig) -> None:
         Storage(cfg.checkpoint.dir or str(cfg.run_dir / "checkpoints"), cfg.checkpoint.endpoint_url).probe()
 
 
-def build_model(cfg: JobConfig, mesh, device: torch.device) -> nn.Module:
+def build_model(cfg: JobConfig, mesh, device: torch.device, hardware=None) -> nn.Module:
     """The model built on the meta device (no memory), parallelised, then materialised on
     `device` with each rank holding only its shards, and initialised or loaded."""
     with torch.device("meta"):
         model = Transformer(cfg.model)
+    if cfg.precision.dtype == "fp8":  # before tensor parallel, compile and FSDP (torchtitan's order)
+        from kiln.parallel.float8 import convert_to_float8
+
+        shard = mesh is not None and mesh["dp_shard"].size() > 1
+        convert_to_float8(model, cfg.precision, hardware or detect_hardware(device),
+                          fsdp_float8_all_gather=cfg.precision.fp8_recipe == "tensorwise" and shard)
     parallelize(model, mesh, cfg)
     model.to_empty(device=device)
     model.tie_weights()

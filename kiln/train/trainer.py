@@ -19,7 +19,7 @@ from kiln.data.batch import Batch
 from kiln.models.transformer import count_parameters, flops_per_token
 from kiln.parallel.mesh import dp_group
 from kiln.train.build import Run, build
-from kiln.train.metrics import MetricsLog, peak_flops, peak_memory_mb
+from kiln.train.metrics import MetricsLog, peak_memory_mb, resolve_peak
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Trainer:
 
     def train_step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         return train_step(self.model, self.optimizer, self.run.task.loss_sum, batches,
-                          self.run.amp, self.cfg.optim.grad_clip, self.dp_group)
+                          self.run.amp, self.cfg.optim.grad_clip, self.dp_group, self.run.scaler)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -66,8 +66,11 @@ class Trainer:
         progress = run.resumed.progress if run.resumed else Progress()
         log = self._open_log(progress)
         flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
-        peak = peak_flops(run.device, torch.bfloat16 if cfg.precision.dtype == "bf16" else torch.float32,
-                          cfg.metrics.peak_tflops) * run.layout.world_size
+        peak = resolve_peak(run.device, run.precision.matmul_dtype, cfg.metrics.peak_tflops)
+        if run.is_main:
+            print(f"kiln: MFU peak per rank {peak.flops / 1e12:.3g} TFLOP/s ({peak.source})", flush=True)
+            log.log({"step": progress.step, "precision": run.precision_record})
+        peak = peak.flops * run.layout.world_size
         result = TrainResult(start_step=progress.step, tokens=progress.tokens)
         step = progress.step
         done = budget_spent(tcfg, step, result.tokens, progress.elapsed)
@@ -188,7 +191,7 @@ class Trainer:
 
 
 def forward_backward(model: nn.Module, loss_sum, batches: list[Batch], amp=nullcontext(),
-                     dp_group=None) -> torch.Tensor:
+                     dp_group=None, scaler=None) -> torch.Tensor:
     """Forward and backward over a step's micro-batches; returns this rank's share of the mean
     loss (the sum over data-parallel ranks is the step's loss), on the device."""
     # Divide by the count of targets over all micro-batches and data-parallel ranks, so any
@@ -203,18 +206,26 @@ def forward_backward(model: nn.Module, loss_sum, batches: list[Batch], amp=nullc
     for batch in batches:
         with amp:
             loss = loss_sum(model, batch) / n_targets
-        (loss * ranks if ranks > 1 else loss).backward()
+        scaled = loss * ranks if ranks > 1 else loss
+        (scaler.scale(scaled) if scaler is not None else scaled).backward()
         total += loss.detach()
     return total
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_sum, batches: list[Batch],
                amp=nullcontext(), grad_clip: float | None = None,
-               dp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step; (loss, grad norm) as device tensors: nothing here waits for the device."""
-    loss = forward_backward(model, loss_sum, batches, amp, dp_group)
+               dp_group=None, scaler=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step; (loss, grad norm) as device tensors: nothing here waits for the device
+    (except fp16's gradient scaler, which must look for infinities)."""
+    loss = forward_backward(model, loss_sum, batches, amp, dp_group, scaler)
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm([p for p in model.parameters() if p.grad is not None], grad_clip)
-    optimizer.step()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
 
