@@ -1,6 +1,7 @@
 """Hugging Face model directories out: what `AutoModelForCausalLM.from_pretrained` and serving
 engines (vLLM, SGLang, TGI) load: config.json, safetensors shards with their index, tokenizer
-files and generation_config.json.
+files, generation_config.json, and lineage.json (which run and step it came from, and that
+run's own lineage).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +22,22 @@ from kiln.urls import is_url, redact
 from kiln.config import JobConfig, ModelConfig
 from kiln.errors import KilnError
 from kiln.models.hf import hf_config_from_model, to_hf_state_dict
+from kiln.tracking.lineage import record_export, write_lineage
+
+@dataclass
+class ModelSource:
+    """A model read from a run, a checkpoint root or one checkpoint."""
+
+    model_cfg: ModelConfig
+    weights: dict
+    """Our full state dict, fp32."""
+    files: dict[str, str]
+    """Tokenizer files by name."""
+    step: int | None
+    """The checkpoint's step; None for a run's final weights without a checkpoint."""
+    run_dir: Path | None
+    """The local run directory it belongs to, when there is one."""
+
 
 DTYPES = {"bf16": (torch.bfloat16, "bfloat16"), "fp32": (torch.float32, "float32")}
 SHARD_BYTES = 4 * 2**30
@@ -33,7 +51,8 @@ def export_hf(source: str, out: str | Path, dtype: str = "bf16", endpoint_url: s
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise KilnError(f"{out} already exists and is not empty; choose a new output directory")
-    model_cfg, weights, files = _read_source(str(source), endpoint_url)
+    found = read_model(str(source), endpoint_url)
+    model_cfg, weights, files = found.model_cfg, found.weights, found.files
     torch_dtype, dtype_name = DTYPES[dtype]
     state = {n: t.to(torch_dtype).contiguous()
              for n, t in to_hf_state_dict(weights, model_cfg.tie_embeddings).items()}
@@ -48,17 +67,21 @@ def export_hf(source: str, out: str | Path, dtype: str = "bf16", endpoint_url: s
     (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     generation = {"_from_model_config": False, "bos_token_id": bos_id, "eos_token_id": eos_id}
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_lineage(tmp, record_export(out, found.run_dir, str(source), found.step, dtype))
     if out.exists():
         out.rmdir()
     tmp.rename(out)
     return out
 
 
-def _read_source(source: str, endpoint_url: str | None) -> tuple[ModelConfig, dict, dict[str, str]]:
-    """(model config, our full state dict in fp32, tokenizer files by name) from a source."""
+def read_model(source: str, endpoint_url: str | None = None) -> ModelSource:
+    """The model of a run directory (its newest committed checkpoint, else its final weights),
+    a checkpoint root or one step-NNNNNN checkpoint (local or a URL)."""
     run_config = Path(source) / "config.yaml"
+    run_dir = None
     if not is_url(source) and run_config.is_file():
-        cfg = _job(run_config.read_text(), str(run_config))
+        run_dir = Path(source)
+        cfg = read_job(run_config.read_text(), str(run_config))
         root = cfg.checkpoint.dir or str(Path(source) / "checkpoints")
         found = find_checkpoint(root, endpoint_url or cfg.checkpoint.endpoint_url)
         if found is None:  # a run without checkpoints: its final weights
@@ -67,17 +90,21 @@ def _read_source(source: str, endpoint_url: str | None) -> tuple[ModelConfig, di
                 raise KilnError(f"{source} has no committed checkpoint and no model.safetensors")
             files = {n: (Path(source) / n).read_text() for n in TOKENIZER_FILES
                      if (Path(source) / n).is_file()}
-            return cfg.model, load_file(weights_file), files
+            return ModelSource(cfg.model, load_file(weights_file), files, None, run_dir)
     else:
         found = find_checkpoint(source, endpoint_url)
         if found is None:
             raise KilnError(f"{redact(source)} holds no committed checkpoint (step-NNNNNN "
                             "directories with a COMMITTED.json)")
+        if not is_url(source):  # <run>/checkpoints[/step-N]: the run it belongs to
+            root = Path(source).resolve()
+            root = root.parent if root.name.startswith("step-") else root
+            run_dir = root.parent if (root.parent / "config.yaml").is_file() else None
     committed, storage = found
     text = storage.read_text(committed.step, JOB_FILE)
     if text is None:
         raise KilnError(f"checkpoint {redact(committed.url)} has no {JOB_FILE}: cannot tell its model shape")
-    model_cfg = _job(text, f"{redact(committed.url)}/{JOB_FILE}").model
+    model_cfg = read_job(text, f"{redact(committed.url)}/{JOB_FILE}").model
     files = {n: t for n in TOKENIZER_FILES if (t := storage.read_text(committed.step, n)) is not None}
     reader = reader_for(committed.url, storage.options)
     meta = reader.read_metadata().state_dict_metadata
@@ -85,10 +112,10 @@ def _read_source(source: str, endpoint_url: str | None) -> tuple[ModelConfig, di
                for k, m in meta.items() if k.startswith("model.")}
     state = {"model": weights}
     dcp.load(state, storage_reader=reader_for(committed.url, storage.options), no_dist=True)
-    return model_cfg, state["model"], files
+    return ModelSource(model_cfg, state["model"], files, committed.step, run_dir)
 
 
-def _job(text: str, where: str) -> JobConfig:
+def read_job(text: str, where: str) -> JobConfig:
     raw = yaml.safe_load(text)
     try:
         return JobConfig.model_validate(raw)
