@@ -109,10 +109,11 @@ class _Channel:
             while self.pending:
                 chunk = [self._unsent(i) for i in self.pending[:50]]
                 self.tracker.write([i for i in chunk if i is not None])
+                last = self.tracker.last_steps
                 for item in chunk:
                     if item is not None and item["kind"] == "metrics":
                         for key in item["metrics"]:
-                            self.tracker.last_steps[key] = item["step"]
+                            last[key] = max(last.get(key, -1), item["step"])
                 del self.pending[:50]
                 sent += len(chunk)
         except Exception as e:  # any failure of a tracker must not stop training
