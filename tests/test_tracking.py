@@ -1,9 +1,4 @@
-"""Trackers, lineage, `kiln runs`, `kiln plot`, `kiln eval` on real training runs.
-
-Until the trainer calls Trackers itself (see the xfail tests at the end), `replay` sends a
-finished run's metrics.jsonl records through Trackers exactly as the trainer will: open, one
-log() per record, close.
-"""
+"""Trackers, lineage, `kiln runs`, `kiln plot`, `kiln eval` on real training runs."""
 
 from __future__ import annotations
 
@@ -34,14 +29,6 @@ def short_job(tmp_path, name: str, **sections):
     return tiny_job(tmp_path, name=name, train=train_cfg, checkpoint=dict(interval=5), **sections)
 
 
-def replay(cfg, resumed_step: int = 0) -> None:
-    """What the trainer does with Trackers, driven from the run's own metrics.jsonl."""
-    trackers = Trackers.open(cfg, cfg.run_dir, rank=0, resumed_step=resumed_step)
-    for record in read_metrics(cfg.run_dir):
-        trackers.log(record)
-    trackers.close(cfg)
-
-
 def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(str(run_dir))
     acc.Reload()
@@ -50,13 +37,12 @@ def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
-    """Two real runs (different learning rates) with TensorBoard on, replayed through Trackers."""
+    """Two real runs (different learning rates) with TensorBoard on."""
     tmp = tmp_path_factory.mktemp("runs")
     cfgs = []
     for name, lr in (("a", 1e-2), ("b", 3e-3)):
         cfg = short_job(tmp, name, optim=dict(lr=lr), tracking=dict(tensorboard=True))
         train(cfg)
-        replay(cfg)
         cfgs.append(cfg)
     return cfgs
 
@@ -84,11 +70,11 @@ def test_tensorboard_resume_replaces_points_after_the_checkpoint(tmp_path):
     first = Trackers.open(cfg, cfg.run_dir, 0, resumed_step=0)
     for step in range(0, 9, 2):
         first.log({"step": step, "loss": 10.0 + step})
-    first.close(cfg)  # as if the run died at step 8 with its last checkpoint at step 4
+    first.close()  # as if the run died at step 8 with its last checkpoint at step 4
     second = Trackers.open(cfg, cfg.run_dir, 0, resumed_step=4)
     for step in range(6, 13, 2):
         second.log({"step": step, "loss": 100.0 + step})
-    second.close(cfg)
+    second.close()
     assert scalars(cfg.run_dir)["loss"] == [(0, 10.0), (2, 12.0), (4, 14.0), (6, 106.0),
                                             (8, 108.0), (10, 110.0), (12, 112.0)]
 
@@ -113,7 +99,6 @@ def test_lineage_of_a_fine_tune_names_its_parent_run(two_runs, tmp_path):
     tune = short_job(tmp_path, "tune", model=dict(init_from=str(export)),
                      train=dict(max_steps=4), optim=dict(lr=1e-3))
     train(tune)
-    replay(tune)
     names = [(n["kind"], n.get("name")) for n in chain(tune.run_dir)]
     assert names == [("kiln-run", "tune"), ("kiln-export", None), ("kiln-run", "a")]
     assert read_lineage(tune.run_dir)["parent"]["path"] == str(export.resolve())
@@ -183,21 +168,3 @@ def test_best_checkpoint_is_recorded_and_kept_by_retention(tmp_path):
     assert (saved["step"], saved["value"]) == (20, 2.0)
     # It survives a resume: a new process reading best.json still picks step 20.
     assert BestCheckpoint(tmp_path).select([20, 40, 50]) == 20
-
-
-# -- the trainer calling Trackers itself: pending the lead's integration (issue 9 reshape) ----
-
-TRAINER_PENDING = pytest.mark.xfail(
-    strict=True, reason="kiln/train/trainer.py does not call kiln.tracking.Trackers yet: the "
-    "lead wires it in after the reshape (see the tracking branch report)")
-
-
-@TRAINER_PENDING
-def test_training_run_writes_tensorboard_events_itself(tmp_path):
-    cfg = short_job(tmp_path, "live", tracking=dict(tensorboard=True))
-    train(cfg)
-    steps, losses = series(read_metrics(cfg.run_dir), "loss")
-    got = scalars(cfg.run_dir)["loss"]
-    assert [s for s, _ in got] == steps
-    np.testing.assert_allclose([v for _, v in got], losses, rtol=1e-6)
-    assert read_lineage(cfg.run_dir)["kind"] == "kiln-run"

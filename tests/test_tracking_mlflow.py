@@ -1,13 +1,16 @@
-"""MLflow against a real `mlflow server` process (SQLite backend, a free loopback port).
+"""MLflow against a real `mlflow server` process (SQLite backend, a free loopback port), with
+real training runs.
 
 One server for the module; the outage test stops it and starts it again on the same port and
-database, so it runs last.
+database, so it runs last. It drives Trackers directly, so the moment of the kill is exact:
+after the first point arrived, before the next.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +28,7 @@ from kiln.tracking.jsonl import read_metrics, series
 from kiln.train.trainer import train
 
 mlflow = pytest.importorskip("mlflow")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 
 class Server:
@@ -73,19 +77,13 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A real short run, whose records the tests send through Trackers as the trainer will."""
-    tmp = tmp_path_factory.mktemp("run")
-    cfg = tiny_job(tmp, name="ml", train=dict(max_steps=10, log_interval=2, eval_interval=5,
-                                               sample_tokens=0), checkpoint=dict(interval=5))
-    train(cfg)
-    return cfg
-
-
-def with_mlflow(cfg, uri: str, name: str):
-    tracking = cfg.tracking.model_copy(update={"mlflow": MlflowConfig(uri=uri, experiment="kiln-tests")})
-    return cfg.model_copy(update={"name": name, "tracking": tracking})
+def job(tmp_path, name: str, uri: str, **train_cfg):
+    cfg = tiny_job(tmp_path, name=name, train={**dict(max_steps=10, log_interval=2, eval_interval=5,
+                                                        sample_tokens=0), **train_cfg},
+                   checkpoint=dict(interval=4))
+    tracking = cfg.tracking.model_copy(update={
+        "tensorboard": True, "mlflow": MlflowConfig(uri=uri, experiment="kiln-tests")})
+    return cfg.model_copy(update={"tracking": tracking})
 
 
 def client(server) -> mlflow.MlflowClient:
@@ -96,24 +94,27 @@ def run_id(run_dir: Path) -> str:
     return json.loads((run_dir / "mlflow.json").read_text())["run_id"]
 
 
-def test_run_metrics_params_and_lineage_tags_reach_the_server(server, trained, monkeypatch):
+def history(server, run_dir: Path, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client(server).get_metric_history(run_id(run_dir), key))
+
+
+def test_training_run_shows_its_metrics_params_and_lineage_tags_on_the_server(server, tmp_path,
+                                                                            monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "s3cret-token-value")
-    cfg = with_mlflow(trained, server.uri, trained.name)
-    trackers = Trackers.open(cfg, cfg.run_dir, rank=0, resumed_step=0)
+    cfg = job(tmp_path, "ml", server.uri)
+    train(cfg)
     records = read_metrics(cfg.run_dir)
-    for record in records:
-        trackers.log(record)
-    trackers.close(cfg)
 
     c = client(server)
     experiment = c.get_experiment_by_name("kiln-tests")
     run = c.get_run(run_id(cfg.run_dir))
     assert run.info.experiment_id == experiment.experiment_id
     assert run.info.status == "FINISHED" and run.info.run_name == "ml"
-    for key in ("loss", "lr", "val_loss"):
+    for key in ("loss", "lr", "grad_norm", "val_loss", "tokens_per_s"):
         steps, values = series(records, key)
-        history = sorted(c.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
-        assert [(m.step, m.value) for m in history] == list(zip(steps, values)), key
+        assert len(steps) >= 2
+        assert history(server, cfg.run_dir, key) == list(zip(steps, values)), key
+    assert history(server, cfg.run_dir, "tokens_by_source/stdlib") == [(10, 5120.0)]
     params = run.data.params
     assert params["optim.lr"] == "0.01" and params["model.dim"] == "64"
     assert params["tracking.mlflow.uri"] == server.uri
@@ -122,46 +123,57 @@ def test_run_metrics_params_and_lineage_tags_reach_the_server(server, trained, m
     assert tags["kiln.config_hash"] == lineage["config_hash"]
     assert tags["kiln.git_commit"] == lineage["code"]["git_commit"]
     assert tags["kiln.data.stdlib.manifest_sha256"] == lineage["data"][0]["manifest_sha256"]
+    assert tags["kiln.tokenizer_fingerprint"] == lineage["tokenizer_fingerprint"]
     assert tags["system.torch"].startswith("2.") and tags["system.world_size"] == "1"
-    assert [d.dataset.digest for d in run.inputs.dataset_inputs]
+    assert {d.dataset.name for d in run.inputs.dataset_inputs} == {"stdlib", "stdlib:val"}
     everything = json.dumps([params, tags]) + (cfg.run_dir / "mlflow.json").read_text()
     assert "s3cret-token-value" not in everything
 
 
-def test_resumed_run_continues_the_same_mlflow_run_without_duplicate_points(server, tmp_path):
-    cfg = with_mlflow(tiny_job(tmp_path, name="resumed"), server.uri, "resumed")
-    cfg.run_dir.mkdir(parents=True)
-    first = Trackers.open(cfg, cfg.run_dir, 0, resumed_step=0)
-    for step in range(0, 9, 2):  # the run dies after step 8; its last checkpoint is step 4
-        first.log({"step": step, "loss": 10.0 + step})
-    first.close()
+def test_resumed_run_continues_the_same_runs_without_duplicate_points(server, tmp_path):
+    cfg = job(tmp_path, "resumed", server.uri, max_steps=12)
+    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"keep_last": None})})
+    train(cfg)
     rid = run_id(cfg.run_dir)
-    second = Trackers.open(cfg, cfg.run_dir, 0, resumed_step=4)
-    for step in range(6, 13, 2):  # steps 6 and 8 run again, with the same values
-        second.log({"step": step, "loss": 10.0 + step})
-    second.close(cfg)
-    assert run_id(cfg.run_dir) == rid
-    history = sorted(client(server).get_metric_history(rid, "loss"), key=lambda m: m.step)
-    assert [(m.step, m.value) for m in history] == [(s, 10.0 + s) for s in range(0, 13, 2)]
-
-
-@pytest.mark.xfail(strict=True, reason="kiln/train/trainer.py does not call Trackers yet (the "
-                   "lead wires it in after the reshape)")
-def test_training_against_a_dead_server_finishes(tmp_path):
-    cfg = with_mlflow(tiny_job(tmp_path, name="dead", train=dict(max_steps=4, log_interval=2,
-                                                                 sample_tokens=0)),
-                      "http://127.0.0.1:9", "dead")  # nothing listens on port 9
+    before = history(server, cfg.run_dir, "loss")
+    # As if the run had died after step 12's log line, with step 4 its last good checkpoint:
+    # resuming re-runs steps 5-12, whose points MLflow and TensorBoard already hold.
+    for step in (8, 12):
+        shutil.rmtree(cfg.run_dir / "checkpoints" / f"step-{step:06d}")
     result = train(cfg)
-    assert result.steps == 4
-    assert (cfg.run_dir / "mlflow.json").exists()  # reached only when it tried to log live
+    assert result.start_step == 4 and result.steps == 12
+    assert run_id(cfg.run_dir) == rid
+    assert history(server, cfg.run_dir, "loss") == before
+    assert [s for s, _ in before] == [2, 4, 6, 8, 10, 12]
+    assert [s for s, _ in history(server, cfg.run_dir, "val_loss")] == [0, 5, 10, 12]
+    assert client(server).get_run(rid).info.status == "FINISHED"
+    events = EventAccumulator(str(cfg.run_dir))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [2, 4, 6, 8, 10, 12]
+    # The re-run steps gave the same losses (resume is exact), so both agree.
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([v for _, v in before], rel=1e-6)
+
+
+def test_training_against_a_dead_server_finishes_and_warns_once(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setattr(Trackers, "retry_s", 0.5)
+    cfg = job(tmp_path, "dead", "http://127.0.0.1:9", max_steps=6)  # nothing listens on port 9
+    result = train(cfg)
+    assert result.steps == 6
+    err = capfd.readouterr().err
+    assert err.count("kiln: warning: mlflow failed") == 1, err
+    assert "records were not delivered" in err
+    assert series(read_metrics(cfg.run_dir), "loss")[0] == [2, 4, 6]  # all in metrics.jsonl
 
 
 def test_server_killed_mid_run_warns_once_and_back_fills_when_back(server, tmp_path, monkeypatch,
                                                                    capfd):
     monkeypatch.setattr(Trackers, "retry_s", 1.0)
+    # A freshly started server on a loaded machine can take long over its first requests.
+    monkeypatch.setattr(Trackers, "close_timeout_s", 240.0)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
-    cfg = with_mlflow(tiny_job(tmp_path, name="outage"), server.uri, "outage")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    cfg = job(tmp_path, "outage", server.uri)
     cfg.run_dir.mkdir(parents=True)
     trackers = Trackers.open(cfg, cfg.run_dir, 0, resumed_step=0)
     trackers.log({"step": 0, "loss": 5.0})
@@ -179,7 +191,7 @@ def test_server_killed_mid_run_warns_once_and_back_fills_when_back(server, tmp_p
     assert logging_time < 5.0  # log() never waited for the dead server
     server.start()
     trackers.log({"step": 6, "loss": 4.4})
-    trackers.close(cfg)
+    trackers.close()
     err = capfd.readouterr().err
     assert err.count("kiln: warning: mlflow failed") == 1, err
     assert "mlflow is back; back-filled" in err

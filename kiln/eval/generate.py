@@ -17,8 +17,7 @@ from kiln.models.transformer import rope_cos_sin
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
-    layers = getattr(model, "layers", None) or model.blocks  # a ModuleDict or a ModuleList
-    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+    return list(model.layers.values())
 
 
 class KVCache:
@@ -38,25 +37,23 @@ def forward_cached(model: nn.Module, tokens: torch.Tensor, cache: KVCache) -> to
     """Logits (batch, t, vocab) of `tokens`, which follow the cache's tokens; extends the cache."""
     b, t = tokens.shape
     start, end = cache.length, cache.length + t
-    cos, sin = rope_cos_sin(model.inv_freq, end)
-    cos, sin = cos[start:end], sin[start:end]
+    positions = torch.arange(start, end, device=tokens.device)
+    cos, sin = rope_cos_sin(model.inv_freq, t, positions)
     # Query i sits at position start + i and sees keys 0 .. start + i.
     mask = torch.ones(t, end, dtype=torch.bool, device=tokens.device).tril(start)
     x = model.embed(tokens)
     for i, block in enumerate(_layers(model)):
         attn = block.attn
         h = block.attn_norm(x)
-        q = attn.q(h).view(b, t, attn.n_heads, attn.head_dim)
-        k = attn.k(h).view(b, t, attn.n_kv_heads, attn.head_dim)
-        v = attn.v(h).view(b, t, attn.n_kv_heads, attn.head_dim)
+        q, k, v = (proj(h).view(b, t, -1, attn.head_dim) for proj in (attn.q, attn.k, attn.v))
         if attn.q_norm is not None:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         cache.k[i][:, :, start:end] = k.transpose(1, 2)
         cache.v[i][:, :, start:end] = v.transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), cache.k[i][:, :, :end], cache.v[i][:, :, :end], attn_mask=mask,
-            enable_gqa=attn.n_kv_heads != attn.n_heads)
+        q = q.transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, cache.k[i][:, :, :end], cache.v[i][:, :, :end],
+                                           attn_mask=mask, enable_gqa=q.shape[1] != k.shape[2])
         x = x + attn.o(y.transpose(1, 2).reshape(b, t, -1))
         x = x + block.mlp(block.mlp_norm(x))
     cache.length = end

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from kiln.checkpoint.storage import is_url
+from kiln.urls import is_url
 from kiln.data.tokenizer import TokenizerInfo, describe, load_tokenizer
 from kiln.errors import KilnError
 from kiln.models.transformer import Transformer

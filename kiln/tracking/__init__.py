@@ -1,15 +1,16 @@
-"""Experiment trackers, several at once behind one interface: TensorBoard and MLflow.
+"""Experiment trackers, several at once behind one interface: metrics.jsonl and the console
+(always, kiln/tracking/jsonl.py), TensorBoard and MLflow (as cfg.tracking says).
 
-metrics.jsonl and the console (kiln/tracking/jsonl.py) are always written by the trainer; the
-trackers here get the same records. Each runs in a background thread of its own, so a slow or
+Every tracker gets the same records, as metrics.jsonl holds them. Each runs in a background thread of its own, so a slow or
 dead server never holds up a training step. A tracker that fails warns once and keeps the
 records it could not deliver; it tries again every `retry_s` seconds and, once it gets
 through, back-fills the gap in order before going on (the records are also in metrics.jsonl).
 
-    trackers = Trackers.open(cfg, run_dir, rank, resumed_step)
-    trackers.log_params(...)   # once: config, system facts (open() does this)
-    trackers.log(record)       # at every log interval: the dict that went to metrics.jsonl
-    trackers.close()
+    trackers = Trackers.open(cfg, run_dir, rank, resumed_step, metrics_log=MetricsLog(...))
+    trackers.log_params(...)   # config and system facts: open() does this
+    trackers.log(record)       # at every log interval: to metrics.jsonl, the console and the rest
+    trackers.advance(1, loss)  # the progress bar
+    trackers.close()           # waits for delivery, records checkpoints in lineage.json
 """
 
 from __future__ import annotations
@@ -160,19 +161,25 @@ class Trackers:
     close_timeout_s = 60.0
     """How long close() waits for the trackers to deliver what they still hold."""
 
-    def __init__(self, run_dir: Path, channels: list[_Channel]):
+    def __init__(self, run_dir: Path, channels: list[_Channel], cfg: JobConfig | None = None,
+                 metrics_log=None):
         self.run_dir, self.channels = Path(run_dir), channels
+        self.cfg = cfg
+        """Set for a training session: close() then records its outputs and final status."""
+        self.metrics_log = metrics_log
 
     @classmethod
     def open(cls, cfg: JobConfig, run_dir: str | Path, rank: int = 0,
              resumed_step: int | None = 0, resumed_from: str | None = None,
-             world_size: int = 1) -> Trackers:
+             world_size: int = 1, metrics_log=None) -> Trackers:
         """The trackers cfg.tracking asks for.
 
         resumed_step: 0 for a fresh training run (a new MLflow run; TensorBoard ignores
         earlier event files in the directory), N for one resumed at step N (the same MLflow
         run and TensorBoard steps, points after N replaced), None to add to a finished run
-        (`kiln eval`). Lineage and status are written here too; only rank 0 writes anything.
+        (`kiln eval`). resumed_from: the checkpoint resumed. metrics_log: the MetricsLog
+        (metrics.jsonl and console) that log() writes first. Lineage and status are written
+        here too; only rank 0 writes anything.
         """
         run_dir = Path(run_dir)
         if rank != 0:
@@ -195,14 +202,17 @@ class Trackers:
             from kiln.tracking.mlflow import MlflowTracker
 
             trackers.append(MlflowTracker(cfg, run_dir, resumed_step, lin.lineage_tags(record)))
-        self = cls(run_dir, [_Channel(t, cls.retry_s) for t in trackers])
+        self = cls(run_dir, [_Channel(t, cls.retry_s) for t in trackers],
+                   cfg if training else None, metrics_log)
         if training:
             facts = {f"system.{k}": str(v) for k, v in lin.system_facts(world_size).items()}
             self.log_params(flatten_config(cfg.model_dump(mode="json", by_alias=True)), facts)
         return self
 
     def log(self, record: dict) -> None:
-        """Send one record (what went to metrics.jsonl) to every tracker; returns at once."""
+        """One record to metrics.jsonl and the console, then to every tracker; returns at once."""
+        if self.metrics_log is not None:
+            self.metrics_log.log(record)
         if not self.channels or not isinstance(record.get("step"), int):
             return
         metrics = numeric_metrics(round_record(record))
@@ -217,14 +227,21 @@ class Trackers:
         for channel in self.channels:
             channel.put({"kind": "params", "params": dict(params), "tags": dict(tags or {})})
 
-    def close(self, cfg: JobConfig | None = None) -> None:
-        """Wait (at most close_timeout_s) for delivery, end the runs, record the outputs."""
+    def advance(self, steps: int = 1, loss: float | None = None) -> None:
+        if self.metrics_log is not None:
+            self.metrics_log.advance(steps, loss)
+
+    def close(self) -> None:
+        """Wait (at most close_timeout_s) for delivery, end the runs; after training, record
+        the checkpoints in lineage.json and the run as finished."""
+        if self.metrics_log is not None:
+            self.metrics_log.close()
         for channel in self.channels:
             channel.close(self.close_timeout_s)
-        if cfg is not None:
+        if self.cfg is not None:
             from kiln.tracking import lineage as lin
 
-            lin.record_checkpoints(cfg, self.run_dir)
+            lin.record_checkpoints(self.cfg, self.run_dir)
             _write_status(self.run_dir, "finished")
 
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import kiln
-from kiln.checkpoint.storage import is_url, redact
+from kiln.urls import is_url, redact
 from kiln.config import JobConfig
 
 LINEAGE_FILE = "lineage.json"

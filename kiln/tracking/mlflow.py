@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from kiln.checkpoint.storage import redact
+from kiln.urls import redact
 from kiln.config import JobConfig
 from kiln.tracking.lineage import data_inputs, environment_has_secret
 

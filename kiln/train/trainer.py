@@ -18,6 +18,7 @@ from kiln.config import JobConfig
 from kiln.data.batch import Batch
 from kiln.models.transformer import count_parameters, flops_per_token
 from kiln.parallel.mesh import dp_group
+from kiln.tracking import Trackers
 from kiln.train.build import Run, build
 from kiln.train.metrics import MetricsLog, peak_flops, peak_memory_mb
 
@@ -130,6 +131,9 @@ class Trainer:
         if run.resumed is None:
             (run.run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run; a resumed one appends
         log = MetricsLog(run.run_dir / "metrics.jsonl", total, self.cfg.metrics.progress_bar, progress.step)
+        # metrics.jsonl and the console, then TensorBoard / MLflow as cfg.tracking says.
+        log = Trackers.open(self.cfg, run.run_dir, run.rank, progress.step,
+                            run.resumed.source if run.resumed else None, run.layout.world_size, log)
         if run.resumed:
             log.log({"step": progress.step, "resumed_from": run.resumed.source,
                      "config_changes": run.resumed.changes})
