@@ -149,6 +149,16 @@ class _Channel:
             _warn(f"{self.tracker.name}: closing failed ({type(e).__name__}: {e})")
 
 
+def _safely(what: str, fn, *args):
+    """Bookkeeping that must not stop training (a full disk, an unreachable object store):
+    fn(*args), or None after a warning."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        _warn(f"{what} failed ({type(e).__name__}: {e}); training goes on")
+        return None
+
+
 def _warn(message: str, note: bool = False) -> None:
     print(f"kiln: {'note' if note else 'warning'}: {message}", file=sys.stderr, flush=True)
 
@@ -188,11 +198,13 @@ class Trackers:
 
         training = resumed_step is not None
         if training:
-            record = lin.run_lineage(cfg, run_dir, resumed_from if resumed_step else None)
-            lin.write_lineage(run_dir, record)
-            _write_status(run_dir, "running", fresh=resumed_step == 0)
+            record = _safely("collecting the lineage", lin.run_lineage, cfg, run_dir,
+                             resumed_from if resumed_step else None) or {}
+            if record:
+                _safely("writing lineage.json", lin.write_lineage, run_dir, record)
+            _safely("writing status.json", _write_status, run_dir, "running", resumed_step == 0)
         else:
-            record = lin.read_lineage(run_dir) or lin.run_lineage(cfg, run_dir)
+            record = lin.read_lineage(run_dir) or {}
         trackers: list[Tracker] = []
         if cfg.tracking.tensorboard:
             from kiln.tracking.tensorboard import TensorBoardTracker
@@ -220,7 +232,7 @@ class Trackers:
             for channel in self.channels:
                 channel.put({"kind": "metrics", "step": record["step"], "metrics": metrics,
                              "time": time.time()})
-        _touch_status(self.run_dir, record)
+        _safely("updating status.json", _touch_status, self.run_dir, record)
 
     def log_params(self, params: dict[str, str], tags: dict[str, str] | None = None) -> None:
         """Parameters (the resolved config) and tags (system facts) of the run."""
@@ -241,8 +253,9 @@ class Trackers:
         if self.cfg is not None:
             from kiln.tracking import lineage as lin
 
-            lin.record_checkpoints(self.cfg, self.run_dir)
-            _write_status(self.run_dir, "finished")
+            _safely("recording checkpoints in lineage.json", lin.record_checkpoints, self.cfg,
+                    self.run_dir)
+            _safely("writing status.json", _write_status, self.run_dir, "finished")
 
 
 # -- status.json: what `kiln runs` shows as status and wall time -----------------------------
