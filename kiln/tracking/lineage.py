@@ -19,6 +19,7 @@ from pathlib import Path
 import kiln
 from kiln.urls import is_url, redact
 from kiln.config import JobConfig
+from kiln.errors import KilnError
 
 LINEAGE_FILE = "lineage.json"
 # Where and how a run is logged does not change what it produces.
@@ -219,7 +220,8 @@ def describe_chain(path: str | Path) -> str:
     """A few lines, one per generation: what `kiln lineage` prints."""
     nodes = chain(path)
     if not nodes:
-        return f"{path}: no lineage.json and no config.json: not a kiln run, export or HF model"
+        raise KilnError(f"{path} holds no lineage.json and no config.json: not a kiln run, a "
+                        "kiln export or a Hugging Face model directory")
     lines = []
     for depth, n in enumerate(nodes):
         pad = "  " * depth + ("<- " if depth else "")
