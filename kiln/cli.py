@@ -89,7 +89,51 @@ def _parser() -> argparse.ArgumentParser:
     tok_train.add_argument("--force", action="store_true",
                            help="replace a tokenizer already in --out")
     launch.add_parser(commands)
+
+    runs = commands.add_parser("runs", help="list the runs in a directory")
+    runs.add_argument("directory", help="a folder of run directories, e.g. runs/")
+    plot = commands.add_parser("plot", help="draw loss, eval loss and LR of runs into a PNG")
+    plot.add_argument("runs", nargs="+", help="run directories")
+    plot.add_argument("--out", required=True, help="the PNG file to write")
+    plot.add_argument("--smoothing", type=float, default=0.8,
+                      help="EMA weight for the training loss, 0 (none) to <1 (default 0.8)")
+    lineage = commands.add_parser("lineage", help="what produced a run or export, back to the start")
+    lineage.add_argument("path", help="a run directory or a Hugging Face export")
+    ev = commands.add_parser("eval", help="score a run, checkpoint or HF model on task files")
+    ev.add_argument("target", help="a run directory, a checkpoint, or a Hugging Face directory")
+    ev.add_argument("--task", action="append", required=True, metavar="TASK.jsonl",
+                    help="a JSONL task file (multiple choice, generation or text); repeatable")
+    ev.add_argument("--device", default="cpu")
+    ev.add_argument("--max-new-tokens", type=int, default=32, help="generation length limit")
     return parser
+
+
+def _tracking_command(args: argparse.Namespace) -> None:
+    if args.command == "runs":
+        from kiln.tracking.runs import format_runs, list_runs
+
+        rows = list_runs(args.directory)
+        if not rows:
+            raise KilnError(f"{args.directory} holds no run directories (config.yaml or metrics.jsonl)")
+        print(format_runs(rows))
+    elif args.command == "plot":
+        from kiln.tracking.plot import plot_runs
+
+        if not 0 <= args.smoothing < 1:
+            raise KilnError(f"--smoothing {args.smoothing}: use a value from 0 to below 1")
+        print(f"kiln: wrote {plot_runs(args.runs, args.out, args.smoothing)}")
+    elif args.command == "lineage":
+        from kiln.tracking.lineage import describe_chain
+
+        print(describe_chain(args.path))
+    else:
+        from kiln.eval.run import evaluate
+
+        results, loaded = evaluate(args.target, args.task, args.device, args.max_new_tokens)
+        where = f" (step {loaded.step})" if loaded.step is not None else ""
+        print(f"kiln: {args.target}{where}")
+        for key, value in results.items():
+            print(f"  {key:40s} {value:.4f}")
 
 
 def _prepare_options(args: argparse.Namespace):
@@ -183,6 +227,9 @@ def _run(args: argparse.Namespace) -> None:
         return
     if args.command == "launch":
         launch.run(args)
+        return
+    if args.command in ("runs", "plot", "lineage", "eval"):
+        _tracking_command(args)
         return
     cfg = load_config(args.config, args.overrides)
     if cfg.model.init_from:  # the shape comes from the directory's config.json

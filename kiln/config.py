@@ -392,6 +392,39 @@ class GuardsConfig(Section):
         return self
 
 
+class MlflowConfig(Section):
+    uri: str | None = None
+    """An MLflow tracking server (http://host:5000) or store URI; None: a SQLite file,
+    <out_dir>/mlflow.db. A server's token comes from MLFLOW_TRACKING_TOKEN (or
+    MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD) in the environment, never from here."""
+    experiment: str = "kiln"
+    """The experiment the run is filed under (created when missing)."""
+
+    @model_validator(mode="after")
+    def _no_credentials(self) -> MlflowConfig:
+        if self.uri and "://" in self.uri and "@" in self.uri.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError("tracking.mlflow.uri must not carry credentials (user:secret@): they "
+                             "would be saved with the config; set MLFLOW_TRACKING_TOKEN (or "
+                             "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD) instead")
+        return self
+
+
+class TrackingConfig(Section):
+    """Where metrics go besides metrics.jsonl and the console (which are always written)."""
+
+    tensorboard: bool = False
+    """Write TensorBoard event files into the run directory (`tensorboard --logdir <out_dir>`)."""
+    mlflow: MlflowConfig | None = None
+    """None: no MLflow. A section, even an empty one (`mlflow: {}`), logs the run to MLflow."""
+    eval_tasks: list[str] = []
+    """JSONL task files (multiple choice, generation, held-out text; see kiln/eval/tasks.py)
+    scored at every train.eval_interval; results go to every tracker."""
+    best_metric: str = "val_loss"
+    """The eval metric that picks the best checkpoint, which retention always keeps."""
+    best_mode: Literal["min", "max"] = "min"
+    """min: lower is better (losses); max: higher is better (accuracies)."""
+
+
 class JobConfig(Section):
     name: str = "run"
     """The run directory is <out_dir>/<name>."""
@@ -407,6 +440,7 @@ class JobConfig(Section):
     metrics: MetricsConfig = MetricsConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     guards: GuardsConfig = GuardsConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="after")
     def _check_job(self) -> JobConfig:

@@ -30,6 +30,7 @@ from kiln.urls import is_url, redact
 from kiln.config import JobConfig
 from kiln.errors import KilnError
 from kiln.parallel.mesh import rank_world
+from kiln.tracking.best import BestCheckpoint
 
 # DCP warns on every call without a process group; one process is a case we mean to support.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -120,6 +121,8 @@ class Checkpointer:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="kiln-ckpt")
             self._stager = ReusedBuffers()
         self._pending: Future | None = None
+        # The best checkpoint by tracking.best_metric: retention always keeps it.
+        self.best = BestCheckpoint(self.run_dir, cfg.tracking.best_metric, cfg.tracking.best_mode)
         self.last_saved: int | None = None
 
     # -- saving --------------------------------------------------------------------------------
@@ -182,7 +185,9 @@ class Checkpointer:
             files = {name: meta for part in gathered for name, meta in part.items()}
             others = self.storage.describe_files(step, exclude_prefix="__")  # .metadata, job.yaml, ...
             self.storage.commit(step, {"world_size": self.world}, {**files, **others})
-            self.storage.apply_retention(step, self.ccfg.keep_last, self.ccfg.keep_every)
+            best = self.best.select([c.step for c in self.storage.committed()])
+            self.storage.apply_retention(step, self.ccfg.keep_last, self.ccfg.keep_every,
+                                         keep={best} - {None})
 
     def wait(self) -> None:
         """Block until the save in flight, if any, is written and committed (re-raises its error)."""

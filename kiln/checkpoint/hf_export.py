@@ -1,6 +1,7 @@
 """Hugging Face model directories out: what `AutoModelForCausalLM.from_pretrained` and serving
 engines (vLLM, SGLang, TGI) load: config.json, safetensors shards with their index, tokenizer
-files and generation_config.json.
+files, generation_config.json, and lineage.json (which run and step it came from, and that
+run's own lineage).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +25,22 @@ from kiln.config import JobConfig, ModelConfig
 from kiln.errors import KilnError, os_error
 from kiln.outputs import check_output_dir
 from kiln.models.hf import hf_config_from_model, to_hf_state_dict
+from kiln.tracking.lineage import record_export, write_lineage
+
+@dataclass
+class ModelSource:
+    """A model read from a run, a checkpoint root or one checkpoint."""
+
+    model_cfg: ModelConfig
+    weights: dict
+    """Our full state dict, fp32."""
+    files: dict[str, str]
+    """Tokenizer files by name."""
+    step: int | None
+    """The checkpoint's step; None for a run's final weights without a checkpoint."""
+    run_dir: Path | None
+    """The local run directory it belongs to, when there is one."""
+
 
 DTYPES = {"bf16": (torch.bfloat16, "bfloat16"), "fp32": (torch.float32, "float32")}
 SHARD_BYTES = 4 * 2**30
@@ -36,7 +54,8 @@ def export_hf(source: str, out: str | Path, dtype: str = "bf16", endpoint_url: s
     out = check_output_dir(out, "the output directory")
     if out.exists() and any(out.iterdir()):
         raise KilnError(f"{out} already exists and is not empty; choose a new output directory")
-    model_cfg, weights, files = _read_source(str(source), endpoint_url)
+    found = read_model(str(source), endpoint_url)
+    model_cfg, weights, files = found.model_cfg, found.weights, found.files
     torch_dtype, dtype_name = DTYPES[dtype]
     state = {n: t.to(torch_dtype).contiguous()
              for n, t in to_hf_state_dict(weights, model_cfg.tie_embeddings).items()}
@@ -52,6 +71,7 @@ def export_hf(source: str, out: str | Path, dtype: str = "bf16", endpoint_url: s
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         generation = {"_from_model_config": False, "bos_token_id": bos_id, "eos_token_id": eos_id}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        write_lineage(tmp, record_export(out, found.run_dir, str(source), found.step, dtype))
         if out.exists():
             out.rmdir()
         tmp.rename(out)
@@ -64,15 +84,18 @@ def export_hf(source: str, out: str | Path, dtype: str = "bf16", endpoint_url: s
     return out
 
 
-def _read_source(source: str, endpoint_url: str | None) -> tuple[ModelConfig, dict, dict[str, str]]:
-    """(model config, our full state dict in fp32, tokenizer files by name) from a source,
-    the weights checked against the config."""
+def read_model(source: str, endpoint_url: str | None = None) -> ModelSource:
+    """The model of a run directory (its newest committed checkpoint, else its final weights),
+    a checkpoint root or one step-NNNNNN checkpoint (local or a URL), the weights checked
+    against the config."""
     if not is_url(source) and not Path(source).exists():
         raise KilnError(f"{source} does not exist; export-hf takes a run directory (runs/NAME), "
                         "a checkpoint root or one step-NNNNNN checkpoint")
     run_config = Path(source) / "config.yaml"
+    run_dir = None
     if not is_url(source) and run_config.is_file():
-        cfg = _job(_text(run_config), str(run_config))
+        run_dir = Path(source)
+        cfg = read_job(_text(run_config), str(run_config))
         root = cfg.checkpoint.dir or str(Path(source) / "checkpoints")
         found = find_checkpoint(root, endpoint_url or cfg.checkpoint.endpoint_url)
         if found is None:  # a run without checkpoints: its final weights
@@ -86,18 +109,22 @@ def _read_source(source: str, endpoint_url: str | None) -> tuple[ModelConfig, di
             except (SafetensorError, OSError) as e:
                 raise unreadable(weights_file, e) from None
             _check_weights(cfg.model, weights, str(weights_file), str(run_config))
-            return cfg.model, weights, files
+            return ModelSource(cfg.model, weights, files, None, run_dir)
     else:
         found = find_checkpoint(source, endpoint_url)
         if found is None:
             raise KilnError(f"{redact(source)} holds no committed checkpoint (step-NNNNNN "
                             "directories with a COMMITTED.json)")
+        if not is_url(source):  # <run>/checkpoints[/step-N]: the run it belongs to
+            root = Path(source).resolve()
+            root = root.parent if root.name.startswith("step-") else root
+            run_dir = root.parent if (root.parent / "config.yaml").is_file() else None
     committed, storage = found
     text = storage.read_text(committed.step, JOB_FILE)
     if text is None:
         raise KilnError(f"checkpoint {redact(committed.url)} has no {JOB_FILE}: cannot tell its model shape")
     job_where = f"{redact(committed.url)}/{JOB_FILE}"
-    model_cfg = _job(text, job_where).model
+    model_cfg = read_job(text, job_where).model
     storage.verify(committed)  # a damaged file is named here, not met as a torch error later
     files = {n: t for n in TOKENIZER_FILES if (t := storage.read_text(committed.step, n)) is not None}
     reader = reader_for(committed.url, storage.options)
@@ -107,7 +134,7 @@ def _read_source(source: str, endpoint_url: str | None) -> tuple[ModelConfig, di
     _check_weights(model_cfg, weights, redact(committed.url), job_where)
     state = {"model": weights}
     dcp.load(state, storage_reader=reader_for(committed.url, storage.options), no_dist=True)
-    return model_cfg, state["model"], files
+    return ModelSource(model_cfg, state["model"], files, committed.step, run_dir)
 
 
 def _check_weights(model_cfg: ModelConfig, weights: dict, where: str, config_where: str) -> None:
@@ -133,7 +160,7 @@ def _text(path: Path) -> str:
         raise KilnError(f"{path} is not UTF-8 text") from None
 
 
-def _job(text: str, where: str) -> JobConfig:
+def read_job(text: str, where: str) -> JobConfig:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -348,17 +348,19 @@ class Storage:
         except FileNotFoundError:
             pass
 
-    def apply_retention(self, newest: int, keep_last: int | None, keep_every: int | None) -> list[int]:
+    def apply_retention(self, newest: int, keep_last: int | None, keep_every: int | None,
+                        keep: set[int] = frozenset()) -> list[int]:
         """Delete what is no longer kept, now that `newest` is committed; returns deleted steps.
 
-        Kept: the newest `keep_last` committed steps and every multiple of `keep_every`. Torn
+        Kept: the newest `keep_last` committed steps, every multiple of `keep_every` and the
+        steps in `keep` (the best checkpoint, kiln/tracking/best.py). Torn
         steps older than `newest` are removed too; nothing newer than `newest` is touched.
         """
         committed = [c.step for c in self.committed() if c.step <= newest]
-        keep = set(committed[-keep_last:]) if keep_last else set(committed)
-        keep |= {s for s in committed if keep_every and s % keep_every == 0}
-        keep.add(newest)
-        doomed = [s for s in committed if s not in keep]
+        kept = set(committed[-keep_last:]) if keep_last else set(committed)
+        kept |= {s for s in committed if keep_every and s % keep_every == 0}
+        kept |= {newest, *keep}
+        doomed = [s for s in committed if s not in kept]
         doomed += [s for s in self.uncommitted_steps() if s < newest]
         for step in doomed:
             self.delete(step)

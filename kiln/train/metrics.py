@@ -1,4 +1,4 @@
-"""Throughput, MFU, memory, and the metrics log: metrics.jsonl plus a progress bar or plain lines."""
+"""Throughput, MFU and memory figures (the metrics log itself is kiln/tracking/jsonl.py)."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ import json
 import os
 import re
 import resource
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
+from kiln.tracking.jsonl import MetricsLog  # noqa: F401 (moved; kept importable from here)
 from kiln.train.precision import cpu_model_name
+
 
 @dataclass(frozen=True)
 class PeakSpec:
@@ -223,38 +223,3 @@ def peak_memory_mb(device: torch.device) -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024  # kB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-class MetricsLog:
-    """Appends one JSON object per logging interval to metrics.jsonl and shows it."""
-
-    def __init__(self, path: Path, total_steps: int | None, progress_bar: str, start_step: int = 0):
-        self.path = path
-        show_bar = progress_bar == "on" or (progress_bar == "auto" and sys.stderr.isatty())
-        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True) if show_bar else None
-
-    def log(self, record: dict) -> None:
-        record = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in record.items()}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        line = " ".join(f"{k}={_fmt(v)}" for k, v in record.items())
-        if self.bar is not None:
-            self.bar.write(line)
-        else:
-            print(line, flush=True)
-
-    def advance(self, steps: int = 1, loss: float | None = None) -> None:
-        if self.bar is not None:
-            self.bar.update(steps)
-            if loss is not None:
-                self.bar.set_postfix(loss=f"{loss:.3f}")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)

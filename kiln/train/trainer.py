@@ -18,6 +18,8 @@ from kiln.config import JobConfig
 from kiln.data.batch import Batch
 from kiln.models.transformer import count_parameters, flops_per_token
 from kiln.parallel.mesh import dp_group
+from kiln.eval.tasks import run_tasks
+from kiln.tracking import Trackers
 from kiln.train.build import Run, build
 from kiln.train.metrics import MetricsLog, peak_memory_mb, resolve_peak
 
@@ -133,6 +135,9 @@ class Trainer:
         if run.resumed is None:
             (run.run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run; a resumed one appends
         log = MetricsLog(run.run_dir / "metrics.jsonl", total, self.cfg.metrics.progress_bar, progress.step)
+        # metrics.jsonl and the console, then TensorBoard / MLflow as cfg.tracking says.
+        log = Trackers.open(self.cfg, run.run_dir, run.rank, progress.step,
+                            run.resumed.source if run.resumed else None, run.layout.world_size, log)
         if run.resumed:
             log.log({"step": progress.step, "resumed_from": run.resumed.source,
                      "config_changes": run.resumed.changes})
@@ -163,7 +168,11 @@ class Trainer:
                 record.update(val_loss=loss, val_ppl=math.exp(min(loss, 50)))
             if len(val_sets) > 1:
                 record.update({f"val/{name}_loss": loss, f"val/{name}_ppl": math.exp(min(loss, 50))})
+        if self.cfg.tracking.eval_tasks:  # every rank takes part in the forwards
+            record.update(run_tasks(self.model, run.data.info, self.cfg.tracking.eval_tasks))
         self.model.train()
+        if run.is_main:
+            run.checkpointer.best.observe(record)
         log.log(record)
 
     def _save_weights(self) -> None:
