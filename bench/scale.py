@@ -44,7 +44,7 @@ def throughput() -> None:
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
         records = [json.loads(line) for line in (out / "quickstart/metrics.jsonl").read_text().splitlines()]
         last = [r for r in records if "tokens_per_s" in r][-1]
-        memory = last.get("peak_mem_mb_per_rank", [last["peak_mem_mb"]])
+        memory = list(last.get("peak_mem_mb_per_rank", {"0": last["peak_mem_mb"]}).values())
         print(f"| quickstart, {nproc} process{'es' if nproc > 1 else ''} x {threads} thread(s) | "
               f"{last['tokens_per_s']:,.0f} tokens/s | peak memory per rank (MB): "
               f"{', '.join(f'{m:,.0f}' for m in memory)} |", flush=True)

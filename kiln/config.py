@@ -6,6 +6,7 @@ field's type, and impossible combinations are caught here, before anything runs.
 
 from __future__ import annotations
 
+import sys
 import types
 import typing
 from dataclasses import dataclass
@@ -307,8 +308,19 @@ class ParallelConfig(Section):
 
 
 class PrecisionConfig(Section):
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    """Compute dtype under autocast; master weights and optimizer state stay fp32."""
+    dtype: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
+    """Compute dtype; master weights and optimizer state stay fp32. auto: bf16 where the
+    hardware runs it natively (GPUs of compute capability 8.0+, ROCm MI200/MI300, CPUs with
+    AVX512-BF16 or AMX, Arm CPUs with bf16), fp16 with a gradient scaler on GPUs without bf16
+    (V100, T4), else fp32. fp8: float8 linear layers (torchao) under bf16 autocast, on GPUs with
+    FP8 (compute capability 8.9+, MI300X); never chosen by auto."""
+    fp8_recipe: Literal["rowwise", "tensorwise"] = "rowwise"
+    """fp8 only: one scale per row (more accurate) or per tensor (faster, float8 all-gather)."""
+    fp8_min_dim: int = Field(1024, ge=16)
+    """fp8 only: a linear layer stays bf16 when its input or output size is below this
+    (the casts cost more than the fp8 matmul saves on small layers)."""
+    fp8_emulate: bool = False
+    """fp8 only: run torchao's float8 in emulation on any device (slow; for testing numerics)."""
 
 
 class MetricsConfig(Section):
@@ -347,6 +359,73 @@ class CheckpointConfig(Section):
         return self
 
 
+class GuardsConfig(Section):
+    """What keeps a long run alive (kiln/train/guards.py): bad steps, preemption, hangs."""
+    skip_bad_steps: bool = True
+    """Skip the optimizer step on a non-finite loss or gradient norm, or a loss spike."""
+    spike_k: float = Field(6.0, gt=0)
+    """A loss more than this many standard deviations above the recent window is a spike."""
+    spike_window: int = Field(100, ge=2)
+    """Recent good steps the spike test compares against."""
+    spike_min_history: int = Field(20, ge=2)
+    """No spike verdicts before this many good steps are known."""
+    rollback_after: int | None = Field(3, gt=0)
+    """Bad steps in a row that roll back to the last checkpoint (skipping those batches on the
+    replay); None only skips."""
+    max_bad_steps: int = Field(20, ge=0)
+    """More bad steps than this in the whole run stop it, naming steps and data positions."""
+    preemption_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"]] = [
+        "SIGTERM", "SIGUSR1"]
+    """Signals that mean "checkpoint at the next step boundary and exit for a restart"."""
+    hang_factor: float = Field(10.0, gt=1)
+    """A step taking this many times the recent median step time is a hang: stacks are dumped."""
+    hang_min_seconds: float = Field(60.0, gt=0)
+    """... but never a step shorter than this."""
+    hang_exit_after: float | None = Field(1800.0, gt=0)
+    """Seconds without a finished step after which the process exits for the launcher to
+    restart it; None never exits."""
+
+    @model_validator(mode="after")
+    def _check_window(self) -> GuardsConfig:
+        if self.spike_min_history > self.spike_window:
+            raise ValueError(f"guards.spike_min_history={self.spike_min_history} exceeds "
+                             f"guards.spike_window={self.spike_window}")
+        return self
+
+
+class MlflowConfig(Section):
+    uri: str | None = None
+    """An MLflow tracking server (http://host:5000) or store URI; None: a SQLite file,
+    <out_dir>/mlflow.db. A server's token comes from MLFLOW_TRACKING_TOKEN (or
+    MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD) in the environment, never from here."""
+    experiment: str = "kiln"
+    """The experiment the run is filed under (created when missing)."""
+
+    @model_validator(mode="after")
+    def _no_credentials(self) -> MlflowConfig:
+        if self.uri and "://" in self.uri and "@" in self.uri.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError("tracking.mlflow.uri must not carry credentials (user:secret@): they "
+                             "would be saved with the config; set MLFLOW_TRACKING_TOKEN (or "
+                             "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD) instead")
+        return self
+
+
+class TrackingConfig(Section):
+    """Where metrics go besides metrics.jsonl and the console (which are always written)."""
+
+    tensorboard: bool = False
+    """Write TensorBoard event files into the run directory (`tensorboard --logdir <out_dir>`)."""
+    mlflow: MlflowConfig | None = None
+    """None: no MLflow. A section, even an empty one (`mlflow: {}`), logs the run to MLflow."""
+    eval_tasks: list[str] = []
+    """JSONL task files (multiple choice, generation, held-out text; see kiln/eval/tasks.py)
+    scored at every train.eval_interval; results go to every tracker."""
+    best_metric: str = "val_loss"
+    """The eval metric that picks the best checkpoint, which retention always keeps."""
+    best_mode: Literal["min", "max"] = "min"
+    """min: lower is better (losses); max: higher is better (accuracies)."""
+
+
 class JobConfig(Section):
     name: str = "run"
     """The run directory is <out_dir>/<name>."""
@@ -361,6 +440,8 @@ class JobConfig(Section):
     parallel: ParallelConfig = ParallelConfig()
     metrics: MetricsConfig = MetricsConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    guards: GuardsConfig = GuardsConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="after")
     def _check_job(self) -> JobConfig:
@@ -418,15 +499,22 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> JobConfig:
     """Read a YAML job file, apply `a.b=value` overrides, validate; KilnError on any problem."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as e:
         raise KilnError(f"cannot read config file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise KilnError(f"config file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                        f"offset {e.start}); a job config is a YAML text file") from None
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
         raise KilnError(f"{path}{line} is not valid YAML: {getattr(e, 'problem', e)}") from None
+    if raw is None:  # an empty file, or only comments: say so, it is rarely what was meant
+        print(f"kiln: note: config file {path} holds no settings; every section takes its "
+              "defaults", file=sys.stderr)
+        raw = {}
     if not isinstance(raw, dict):
         raise KilnError(f"{path} must hold a mapping of sections (model:, data:, train:, ...), "
                         f"not a {type(raw).__name__}")
@@ -456,7 +544,15 @@ def _apply_override(raw: dict, item: str, path: Path) -> None:
     # it to the field's type ("1e-3" -> 0.001).
     is_string = annotation is str or (typing.get_origin(annotation) is Literal and all(
         isinstance(a, str) for a in typing.get_args(annotation)))
-    node[leaf] = text if is_string else yaml.safe_load(text) if text else None
+    if is_string or not text:
+        node[leaf] = text if is_string else None
+        return
+    try:
+        node[leaf] = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise KilnError(f"--set {key}: the value {text!r} cannot be parsed "
+                        f"({getattr(e, 'problem', None) or 'not valid YAML'}); quote a string, "
+                        "e.g. --set 'name=\"my run\"'") from None
 
 
 def _section_class(cls: type | None, name: str) -> type | None:

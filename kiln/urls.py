@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
+import re
+
+# scheme://user[:password]@ -> scheme://  (the userinfo of any URL in a text)
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]+@")
 
 
 def is_url(path: str) -> bool:
@@ -10,9 +13,11 @@ def is_url(path: str) -> bool:
     return "://" in str(path) and not str(path).startswith("file://")
 
 
+def scrub_credentials(text: str) -> str:
+    """`text` with the user:password@ part of every URL in it removed (a message, a log line)."""
+    return _USERINFO.sub(r"\1", str(text))
+
+
 def redact(url: str) -> str:
     """The URL without any user:password@ part, for messages and logs."""
-    parts = urlsplit(str(url))
-    if parts.username or parts.password:
-        return urlunsplit(parts._replace(netloc=parts.hostname or ""))
-    return str(url)
+    return scrub_credentials(url)

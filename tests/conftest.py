@@ -10,6 +10,15 @@ import torch
 from kiln.config import JobConfig
 
 
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (bench/gpu.sh runs these on a GPU)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _threads():
     torch.set_num_threads(2)

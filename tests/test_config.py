@@ -41,7 +41,7 @@ def test_preset_fields_can_be_overridden(tmp_path):
     ("model:\n  dim: 100\n  n_heads: 3\n", ["'model'", "n_heads=3 must divide dim=100"]),
     ("model:\n  n_heads: 8\n  n_kv_heads: 3\n", ["n_kv_heads=3 must divide n_heads=8"]),
     ("model:\n  preset: gpt-5\n", ["unknown preset 'gpt-5'", "llama-3.2-1b"]),
-    ("precision:\n  dtype: fp8\n", ["'precision.dtype'", "'fp32' or 'bf16'"]),
+    ("precision:\n  dtype: fp4\n", ["'precision.dtype'", "'fp16' or 'fp8'"]),
     ("train:\n  max_steps: null\n", ["set at least one of max_steps, max_tokens, max_time"]),
     ("model:\n  dim: [1, 2\n", ["is not valid YAML", "at line 3"]),
     ("- just\n- a list\n", ["must hold a mapping of sections"]),

@@ -30,6 +30,7 @@ from kiln.urls import is_url, redact
 from kiln.config import JobConfig
 from kiln.errors import KilnError
 from kiln.parallel.mesh import rank_world
+from kiln.tracking.best import BestCheckpoint
 
 # DCP warns on every call without a process group; one process is a case we mean to support.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -125,6 +126,8 @@ class Checkpointer:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="kiln-ckpt")
             self._stager = ReusedBuffers()
         self._pending: Future | None = None
+        # The best checkpoint by tracking.best_metric: retention always keeps it.
+        self.best = BestCheckpoint(self.run_dir, cfg.tracking.best_metric, cfg.tracking.best_mode)
         self.last_saved: int | None = None
 
     # -- saving --------------------------------------------------------------------------------
@@ -160,12 +163,18 @@ class Checkpointer:
             upload = dcp.async_save(state, async_stager=self._stager, **kwargs)
             self._pending = self._executor.submit(self._commit_when_written, upload, step)
         else:
-            dcp.save(state, **kwargs)
+            try:
+                dcp.save(state, **kwargs)
+            except Exception as e:  # a full disk, an unreachable store: said as such
+                raise self.storage.save_error(e, step) from e
             self._commit(step)
         self.last_saved = step
 
     def _commit_when_written(self, upload: Future, step: int) -> None:
-        upload.result()
+        try:
+            upload.result()
+        except Exception as e:
+            raise self.storage.save_error(e, step) from e
         self._commit(step)
 
     def _commit(self, step: int) -> None:
@@ -181,7 +190,9 @@ class Checkpointer:
             files = {name: meta for part in gathered for name, meta in part.items()}
             others = self.storage.describe_files(step, exclude_prefix="__")  # .metadata, job.yaml, ...
             self.storage.commit(step, {"world_size": self.world}, {**files, **others})
-            self.storage.apply_retention(step, self.ccfg.keep_last, self.ccfg.keep_every)
+            best = self.best.select([c.step for c in self.storage.committed()])
+            self.storage.apply_retention(step, self.ccfg.keep_last, self.ccfg.keep_every,
+                                         keep={best} - {None})
 
     def wait(self) -> None:
         """Block until the save in flight, if any, is written and committed (re-raises its error)."""
@@ -234,6 +245,8 @@ class Checkpointer:
                 return None, self.storage
             candidates = list(reversed(self.storage.committed()))
             storage = self.storage
+            for url, reason in self.storage.skipped.items():  # each once, with its path
+                print(f"kiln: skipping checkpoint {redact(url)}: {reason}", flush=True)
         else:
             storage, candidates = _explicit(resume, self.ccfg.endpoint_url)
             newer = [c.step for c in self.storage.committed() if c.step > candidates[0].step]

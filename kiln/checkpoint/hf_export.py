@@ -1,6 +1,7 @@
 """Hugging Face model directories out: what `AutoModelForCausalLM.from_pretrained` and serving
 engines (vLLM, SGLang, TGI) load: config.json, safetensors shards with their index, tokenizer
-files and generation_config.json.
+files, generation_config.json, and lineage.json (which run and step it came from, and that
+run's own lineage).
 """
 
 from __future__ import annotations
@@ -8,18 +9,38 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kiln.checkpoint.checkpointer import JOB_FILE, TOKENIZER_FILES, find_checkpoint, reader_for
+from kiln.checkpoint.hf_import import shape_problems, unreadable
 from kiln.urls import is_url, redact
 from kiln.config import JobConfig, ModelConfig
-from kiln.errors import KilnError
+from kiln.errors import KilnError, os_error
+from kiln.outputs import check_output_dir
 from kiln.models.hf import hf_config_from_model, to_hf_state_dict
+from kiln.tracking.lineage import record_export, write_lineage
+
+@dataclass
+class ModelSource:
+    """A model read from a run, a checkpoint root or one checkpoint."""
+
+    model_cfg: ModelConfig
+    weights: dict
+    """Our full state dict, fp32."""
+    files: dict[str, str]
+    """Tokenizer files by name."""
+    step: int | None
+    """The checkpoint's step; None for a run's final weights without a checkpoint."""
+    run_dir: Path | None
+    """The local run directory it belongs to, when there is one."""
+
 
 DTYPES = {"bf16": (torch.bfloat16, "bfloat16"), "fp32": (torch.float32, "float32")}
 SHARD_BYTES = 4 * 2**30
@@ -30,66 +51,124 @@ def export_hf(source: str, out: str | Path, dtype: str = "bf16", endpoint_url: s
     """Write the model of a run, a checkpoint root or one checkpoint to `out` in HF format."""
     if dtype not in DTYPES:
         raise KilnError(f"export dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    out = check_output_dir(out, "the output directory")
+    if out.exists() and any(out.iterdir()):
         raise KilnError(f"{out} already exists and is not empty; choose a new output directory")
-    model_cfg, weights, files = _read_source(str(source), endpoint_url)
+    found = read_model(str(source), endpoint_url)
+    model_cfg, weights, files = found.model_cfg, found.weights, found.files
     torch_dtype, dtype_name = DTYPES[dtype]
     state = {n: t.to(torch_dtype).contiguous()
              for n, t in to_hf_state_dict(weights, model_cfg.tie_embeddings).items()}
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    eos_id, bos_id = _write_tokenizer(tmp, files, model_cfg)
-    _write_shards(tmp, state, shard_bytes)
-    hf = hf_config_from_model(model_cfg, dtype_name, eos_id, bos_id)
-    hf["dtype"] = dtype_name
-    (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    generation = {"_from_model_config": False, "bos_token_id": bos_id, "eos_token_id": eos_id}
-    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    if out.exists():
-        out.rmdir()
-    tmp.rename(out)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        eos_id, bos_id = _write_tokenizer(tmp, files, model_cfg)
+        _write_shards(tmp, state, shard_bytes)
+        hf = hf_config_from_model(model_cfg, dtype_name, eos_id, bos_id)
+        hf["dtype"] = dtype_name
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        generation = {"_from_model_config": False, "bos_token_id": bos_id, "eos_token_id": eos_id}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        write_lineage(tmp, record_export(out, found.run_dir, str(source), found.step, dtype))
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except OSError as e:  # a full disk, no permission: nothing half-written is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise os_error(e, f"writing {out}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 
-def _read_source(source: str, endpoint_url: str | None) -> tuple[ModelConfig, dict, dict[str, str]]:
-    """(model config, our full state dict in fp32, tokenizer files by name) from a source."""
+def read_model(source: str, endpoint_url: str | None = None) -> ModelSource:
+    """The model of a run directory (its newest committed checkpoint, else its final weights),
+    a checkpoint root or one step-NNNNNN checkpoint (local or a URL), the weights checked
+    against the config."""
+    if not is_url(source) and not Path(source).exists():
+        raise KilnError(f"{source} does not exist; export-hf takes a run directory (runs/NAME), "
+                        "a checkpoint root or one step-NNNNNN checkpoint")
     run_config = Path(source) / "config.yaml"
+    run_dir = None
     if not is_url(source) and run_config.is_file():
-        cfg = _job(run_config.read_text(), str(run_config))
+        run_dir = Path(source)
+        cfg = read_job(_text(run_config), str(run_config))
         root = cfg.checkpoint.dir or str(Path(source) / "checkpoints")
         found = find_checkpoint(root, endpoint_url or cfg.checkpoint.endpoint_url)
         if found is None:  # a run without checkpoints: its final weights
             weights_file = Path(source) / "model.safetensors"
             if not weights_file.is_file():
                 raise KilnError(f"{source} has no committed checkpoint and no model.safetensors")
-            files = {n: (Path(source) / n).read_text() for n in TOKENIZER_FILES
+            files = {n: _text(Path(source) / n) for n in TOKENIZER_FILES
                      if (Path(source) / n).is_file()}
-            return cfg.model, load_file(weights_file), files
+            try:
+                weights = load_file(weights_file)
+            except (SafetensorError, OSError) as e:
+                raise unreadable(weights_file, e) from None
+            _check_weights(cfg.model, weights, str(weights_file), str(run_config))
+            return ModelSource(cfg.model, weights, files, None, run_dir)
     else:
         found = find_checkpoint(source, endpoint_url)
         if found is None:
             raise KilnError(f"{redact(source)} holds no committed checkpoint (step-NNNNNN "
                             "directories with a COMMITTED.json)")
+        if not is_url(source):  # <run>/checkpoints[/step-N]: the run it belongs to
+            root = Path(source).resolve()
+            root = root.parent if root.name.startswith("step-") else root
+            run_dir = root.parent if (root.parent / "config.yaml").is_file() else None
     committed, storage = found
     text = storage.read_text(committed.step, JOB_FILE)
     if text is None:
         raise KilnError(f"checkpoint {redact(committed.url)} has no {JOB_FILE}: cannot tell its model shape")
-    model_cfg = _job(text, f"{redact(committed.url)}/{JOB_FILE}").model
+    job_where = f"{redact(committed.url)}/{JOB_FILE}"
+    model_cfg = read_job(text, job_where).model
+    storage.verify(committed)  # a damaged file is named here, not met as a torch error later
     files = {n: t for n in TOKENIZER_FILES if (t := storage.read_text(committed.step, n)) is not None}
     reader = reader_for(committed.url, storage.options)
     meta = reader.read_metadata().state_dict_metadata
     weights = {k[len("model."):]: torch.empty(m.size, dtype=m.properties.dtype)
                for k, m in meta.items() if k.startswith("model.")}
+    _check_weights(model_cfg, weights, redact(committed.url), job_where)
     state = {"model": weights}
     dcp.load(state, storage_reader=reader_for(committed.url, storage.options), no_dist=True)
-    return model_cfg, state["model"], files
+    return ModelSource(model_cfg, state["model"], files, committed.step, run_dir)
 
 
-def _job(text: str, where: str) -> JobConfig:
-    raw = yaml.safe_load(text)
+def _check_weights(model_cfg: ModelConfig, weights: dict, where: str, config_where: str) -> None:
+    """KilnError unless the weights are exactly what model_cfg builds: names and shapes."""
+    from kiln.models.transformer import Transformer
+
+    with torch.device("meta"):
+        expected = {n: tuple(t.shape) for n, t in Transformer(model_cfg).state_dict().items()}
+    problems = shape_problems(expected, {n: tuple(t.shape) for n, t in weights.items()})
+    if problems:
+        raise KilnError(f"the weights in {where} do not fit the model {config_where} describes "
+                        f"({'; '.join(problems)}); the config was changed after these weights "
+                        "were saved. Export a checkpoint whose job.yaml matches, or restore the "
+                        "run's config")
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise os_error(e, f"reading {path}") from None
+    except UnicodeDecodeError:
+        raise KilnError(f"{path} is not UTF-8 text") from None
+
+
+def read_job(text: str, where: str) -> JobConfig:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise KilnError(f"{where} is not valid YAML ({getattr(e, 'problem', None) or e}); "
+                        "it is the run's resolved config, written by kiln train") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model", {}), dict):
+        raise KilnError(f"{where} is not a job config (a mapping of sections with a model: "
+                        "section); it is the run's resolved config, written by kiln train")
     try:
         return JobConfig.model_validate(raw)
     except ValueError as e:

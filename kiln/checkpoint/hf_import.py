@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from kiln.config import JobConfig, ModelConfig
@@ -24,18 +24,23 @@ INDEX = "model.safetensors.index.json"
 
 def read_hf_config(directory: str | Path) -> dict:
     path = Path(directory) / "config.json"
+    if not Path(directory).is_dir():
+        raise KilnError(f"{directory} is not a directory; expected a Hugging Face model "
+                        "directory (config.json + *.safetensors)")
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_bytes())
     except OSError as e:
         raise KilnError(f"cannot read {path} ({e.strerror or e}); expected a "
                         "Hugging Face model directory (config.json + *.safetensors)") from None
     except json.JSONDecodeError as e:
         raise KilnError(f"{path}, line {e.lineno}: not valid JSON ({e.msg})") from None
+    except ValueError as e:  # bytes that are not UTF-8
+        raise KilnError(f"{path} is not a JSON text file ({e})") from None
 
 
 def hf_model_fields(directory: str | Path) -> dict:
     """ModelConfig fields from DIR/config.json (what `model.init_from` fills in)."""
-    cfg = model_config_from_hf(read_hf_config(directory))
+    cfg = model_config_from_hf(read_hf_config(directory), str(Path(directory) / "config.json"))
     return cfg.model_dump(exclude={"preset", "init_from"})
 
 
@@ -64,9 +69,11 @@ def weight_files(directory: str | Path) -> list[Path]:
     index = directory / INDEX
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise KilnError(f"{index} is not a safetensors index ({e})") from None
+            names = sorted(set(json.loads(index.read_bytes())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise KilnError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
+        if not all(isinstance(n, str) for n in names):
+            raise KilnError(f"{index}: weight_map values must be file names")
         files = [directory / n for n in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -79,15 +86,39 @@ def weight_files(directory: str | Path) -> list[Path]:
                     "weights are read; convert .bin checkpoints with transformers first)")
 
 
-def check_fit(expected: dict[str, tuple], found: dict[str, tuple], directory) -> None:
-    """KilnError naming what is missing, unexpected or of the wrong shape (names are ours)."""
+def unreadable(file: Path, error: Exception) -> KilnError:
+    """A safetensors file that cannot be read: most often a download or copy cut short."""
+    return KilnError(f"{file} is not a readable safetensors file ({error}); it may be truncated "
+                     "or damaged: copy or download it again")
+
+
+def header_shapes(directory: str | Path) -> dict[str, tuple[Path, tuple]]:
+    """{HF name: (file, shape)} from the safetensors headers alone, no weights read."""
+    found = {}
+    for file in weight_files(directory):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    found[name] = (file, tuple(f.get_slice(name).get_shape()))
+        except (SafetensorError, OSError) as e:
+            raise unreadable(file, e) from None
+    return found
+
+
+def shape_problems(expected: dict[str, tuple], found: dict[str, tuple]) -> list[str]:
+    """What is missing, unexpected or of the wrong shape in `found` (at most 3 of each)."""
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     wrong = [f"{n} {list(found[n])} (model: {list(expected[n])})" for n in found
              if n in expected and tuple(found[n]) != tuple(expected[n])]
-    parts = ([f"missing {', '.join(missing[:3])}"] if missing else []) + \
-            ([f"unexpected {', '.join(unexpected[:3])}"] if unexpected else []) + \
-            ([f"wrong shape {', '.join(wrong[:3])}"] if wrong else [])
+    return ([f"missing {', '.join(missing[:3])}"] if missing else []) + \
+           ([f"unexpected {', '.join(unexpected[:3])}"] if unexpected else []) + \
+           ([f"wrong shape {', '.join(wrong[:3])}"] if wrong else [])
+
+
+def check_fit(expected: dict[str, tuple], found: dict[str, tuple], directory) -> None:
+    """KilnError naming what is missing, unexpected or of the wrong shape (names are ours)."""
+    parts = shape_problems(expected, found)
     if parts:
         raise KilnError(f"the weights in {directory} do not fit the model its config.json "
                         f"describes (with this job's model overrides): {'; '.join(parts)}")
@@ -108,14 +139,8 @@ def load_hf_weights(model: nn.Module, directory: str | Path) -> None:
     tensor parallel) keeps only its own slice of each, so the whole model is never in memory.
     """
     tie = model.cfg.tie_embeddings
-    found: dict[str, tuple[Path, str]] = {}
-    shapes: dict[str, tuple] = {}
-    for file in weight_files(directory):
-        with safe_open(str(file), framework="pt") as f:
-            for hf_name in f.keys():
-                shapes[hf_name] = tuple(f.get_slice(hf_name).get_shape())
-                found[hf_name] = (file, hf_name)
-    ours = _ours({n: torch.empty(s, device="meta") for n, s in shapes.items()}, tie, directory)
+    found = header_shapes(directory)
+    ours = _ours({n: torch.empty(s, device="meta") for n, (_, s) in found.items()}, tie, directory)
     from kiln.models.transformer import Transformer
 
     with torch.device("meta"):  # a pipeline stage holds part of the model: check the whole
@@ -125,9 +150,13 @@ def load_hf_weights(model: nn.Module, directory: str | Path) -> None:
               {n: tuple(t.shape) for n, t in ours.items() if not (tie and n == "lm_head.weight")},
               directory)
     for name, param in expected.items():
-        file, hf_name = found[to_hf_name(name)]
-        with safe_open(str(file), framework="pt") as f:
-            copy_full_into(param, f.get_tensor(hf_name))
+        hf_name = to_hf_name(name)
+        file = found[hf_name][0]
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                copy_full_into(param, f.get_tensor(hf_name))
+        except (SafetensorError, OSError) as e:
+            raise unreadable(file, e) from None
 
 
 def job_yaml(directory: str | Path) -> str:
@@ -140,11 +169,7 @@ def job_yaml(directory: str | Path) -> str:
     with torch.device("meta"):
         expected = {n: t.shape for n, t in Transformer(cfg).state_dict().items()}
     # Check names and shapes from the safetensors headers alone, without reading the weights.
-    found = {}
-    for file in weight_files(directory):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                found[name] = torch.empty(f.get_slice(name).get_shape(), device="meta")
+    found = {n: torch.empty(shape, device="meta") for n, (_, shape) in header_shapes(directory).items()}
     ours = _ours(found, cfg.tie_embeddings, directory)
     check_fit(expected, {n: t.shape for n, t in ours.items()}, directory)
     model_type = read_hf_config(directory)["model_type"]

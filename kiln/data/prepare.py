@@ -17,21 +17,29 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from kiln.data.sources import (Document, ReadStats, expand_inputs, local_cpu_count,
+from kiln.data.sources import (Document, ReadStats, expand_inputs, is_url, local_cpu_count,
                                read_documents)
 from kiln.data.tokenizer import TokenizerInfo, save_tokenizer
-from kiln.errors import KilnError
+from kiln.errors import KilnError, os_error
+from kiln.outputs import check_output_dir
 
 MANIFEST = "manifest.json"
 FORMAT = "kiln-shards/1"
 _CHUNK_CHARS = 1 << 20  # documents are sent to workers in chunks of about this many characters
+# The tokenizer needs ~120 bytes per character of one word (a 50 MB line without whitespace:
+# 6 GB), so documents are tokenized in pieces of at most _PIECE_CHARS, _ENCODE_CHARS at a time.
+_PIECE_CHARS = 1 << 16
+_ENCODE_CHARS = 1 << 18
+IN_MEMORY = "in-memory documents"
 
 
 @dataclass
@@ -77,11 +85,26 @@ def read_manifest(directory: str | Path) -> dict:
                 if partial else "")
         raise KilnError(f"{directory} is not a prepared shard directory: no {MANIFEST}{hint}")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(path.read_bytes())
     except json.JSONDecodeError as e:
         raise KilnError(f"{path}, line {e.lineno}: not valid JSON ({e.msg})") from None
-    if manifest.get("format") != FORMAT:
-        raise KilnError(f"{path}: unknown format {manifest.get('format')!r}, expected {FORMAT!r}")
+    except ValueError:
+        raise KilnError(f"{path} is not UTF-8 JSON: it was damaged; rerun kiln prepare") from None
+    except OSError as e:
+        raise os_error(e, f"reading {path}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else manifest
+        raise KilnError(f"{path}: unknown format {found!r}, expected {FORMAT!r}")
+    try:  # what readers rely on, checked once here
+        np.dtype(manifest["dtype"])
+        assert isinstance(manifest["tokenizer"]["vocab_size"], int)
+        for split in manifest["splits"].values():
+            for shard in split["shards"]:
+                assert isinstance(shard["file"], str) and isinstance(shard["docs"], str)
+                assert isinstance(shard["tokens"], int) and shard["tokens"] >= 0
+    except (KeyError, TypeError, AttributeError, AssertionError):
+        raise KilnError(f"{path} lacks fields kiln needs or has them of the wrong type (it was "
+                        "edited or damaged); rerun kiln prepare") from None
     return manifest
 
 
@@ -89,7 +112,13 @@ def prepare(inputs: list[str], tokenizer: TokenizerInfo, out_dir: str | Path,
             options: PrepareOptions | None = None) -> PrepareResult:
     """Tokenize files, globs or URLs into shards in out_dir; a no-op when already done."""
     options = options or PrepareOptions()
-    files = expand_inputs(inputs, options.storage_options)
+    sources = [p if is_url(p) else os.path.abspath(p.removeprefix("file://")) for p in inputs]
+    out_dir = _check_out_dir(out_dir, sources)  # before any work: a refusal costs nothing
+    # An output inside an input directory (corpus/ -> corpus/prepared) is not read back in.
+    files = [f for f in expand_inputs(inputs, options.storage_options)
+             if not _written_here(f.url, out_dir)]
+    if not files:
+        raise KilnError(f"every input file is inside --out {out_dir}")
     key = {"inputs": [[f.url, f.size, f.stamp] for f in files],
            **_key_options(tokenizer, options)}
     stats = ReadStats()
@@ -106,7 +135,8 @@ def prepare(inputs: list[str], tokenizer: TokenizerInfo, out_dir: str | Path,
             bar.update(f.size)
 
     try:
-        return prepare_documents(documents(), key, tokenizer, out_dir, options, stats, total_bytes)
+        return prepare_documents(documents(), key, tokenizer, out_dir, options, stats, total_bytes,
+                                 sources)
     finally:
         bar.close()
 
@@ -125,22 +155,23 @@ def prepare_texts(texts: list[str], source_fingerprint: str, tokenizer: Tokenize
     key = {"inputs": source_fingerprint, **_key_options(tokenizer, options)}
     stats = ReadStats(documents=len(texts))
     return prepare_documents((Document(t) for t in texts), key, tokenizer, out_dir, options,
-                             stats, sum(len(t) for t in texts))
+                             stats, sum(len(t) for t in texts), [IN_MEMORY])
 
 
 def prepare_documents(documents: Iterable[Document], key: dict, tokenizer: TokenizerInfo,
                       out_dir: str | Path, options: PrepareOptions, stats: ReadStats,
-                      total_bytes: int) -> PrepareResult:
-    out_dir = Path(out_dir)
+                      total_bytes: int, sources: list[str]) -> PrepareResult:
+    """Shards of `documents` into out_dir, replacing only an earlier prepare of `sources`."""
+    out_dir = _check_out_dir(out_dir, sources)
     key_hash = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     if _is_complete(out_dir, key_hash):
         return PrepareResult(out_dir, read_manifest(out_dir), True, stats)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.parent / f".{out_dir.name}.partial"
-    shutil.rmtree(staging, ignore_errors=True)  # what an earlier crash left behind
-    staging.mkdir()
     try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # what an earlier crash left behind
+        staging.mkdir()
         dtype = token_dtype(tokenizer.vocab_size)
         writers = {split: _ShardWriter(staging, split, dtype, options.shard_tokens,
                                        options.score_field is not None)
@@ -160,17 +191,81 @@ def prepare_documents(documents: Iterable[Document], key: dict, tokenizer: Token
                           "bos_id": tokenizer.bos_id},
             "options": {k: v for k, v in asdict(options).items()
                         if k not in ("storage_options", "progress", "workers")},
+            "sources": sources,
             "inputs": key["inputs"] if isinstance(key["inputs"], list) else None,
             "bad_records": stats.bad_records,
+            "invalid_utf8_bytes": stats.invalid_utf8_bytes,
             "splits": splits,
         }
         save_tokenizer(tokenizer, staging)
         _write_json(staging / MANIFEST, manifest)
         _swap_into_place(staging, out_dir)
+    except OSError as e:  # a full disk, no permission: the previous output stays as it was
+        shutil.rmtree(staging, ignore_errors=True)
+        raise os_error(e, f"kiln prepare, writing {out_dir}") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # an error leaves nothing half-written
         raise
     return PrepareResult(out_dir, manifest, False, stats)
+
+
+def _check_out_dir(out_dir: str | Path, sources: list[str]) -> Path:
+    """out_dir, resolved; refused unless it is new, empty, or an earlier prepare of `sources`
+    holding only what that prepare wrote: a user's files are never replaced."""
+    resolved = check_output_dir(out_dir)
+    if not resolved.is_dir():
+        return resolved
+    present = sorted(p.name for p in resolved.iterdir())
+    if not present:
+        return resolved
+    try:
+        manifest = read_manifest(resolved)
+        written = _written_by(manifest)
+    except (KilnError, KeyError, TypeError, AttributeError):
+        raise KilnError(f"--out {out_dir} already holds files that are not the output of kiln "
+                        f"prepare ({_some(present)}); they would be replaced. Choose a new or "
+                        "empty directory") from None
+    others = [name for name in present if name not in written]
+    if others:
+        raise KilnError(f"--out {out_dir} holds files kiln prepare did not write "
+                        f"({_some(others)}); they would be lost when the new output replaces the "
+                        "directory. Move them, or choose a new or empty directory")
+    theirs = _sources_of(manifest)
+    if theirs != sources:
+        raise KilnError(f"--out {out_dir} holds the kiln prepare output of other inputs "
+                        f"({_some(theirs)}); choose another directory, or remove it first if it "
+                        "is no longer needed")
+    return resolved
+
+
+def _written_here(url: str, out_dir: Path) -> bool:
+    """Whether a file is in out_dir or in one of its staging siblings (.NAME.partial, ...)."""
+    if is_url(url):
+        return False
+    hidden = f".{out_dir.name}."
+    return any(p == out_dir or (p.parent == out_dir.parent and p.name.startswith(hidden))
+               for p in Path(url).parents)
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _written_by(manifest: dict) -> set[str]:
+    """The names of every file a prepare with this manifest wrote."""
+    names = {MANIFEST, "tokenizer.json", "tokenizer_config.json"}
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            names.update(shard[k] for k in ("file", "docs", "scores") if k in shard)
+    return names
+
+
+def _sources_of(manifest: dict) -> list[str]:
+    """What a manifest was prepared from (older manifests list only the expanded files)."""
+    if "sources" in manifest:
+        return list(manifest["sources"])
+    inputs = manifest.get("inputs")
+    return [entry[0] for entry in inputs] if isinstance(inputs, list) else [IN_MEMORY]
 
 
 def _is_complete(out_dir: Path, key_hash: str) -> bool:
@@ -191,7 +286,12 @@ def _swap_into_place(staging: Path, out_dir: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
     if out_dir.exists():
         out_dir.rename(old)
-    staging.rename(out_dir)
+    try:
+        staging.rename(out_dir)
+    except OSError:
+        if old.exists():
+            old.rename(out_dir)  # the previous output, back where it was
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -290,12 +390,55 @@ def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return _encode_with(_worker_tokenizer, texts)
 
 
+def _pieces(text: str) -> list[str]:
+    """A document cut into pieces of at most _PIECE_CHARS, just before a space where there is
+    one in the piece's second half (the tokenizers' pre-tokenizers split there anyway)."""
+    pieces, start = [], 0
+    while len(text) - start > _PIECE_CHARS:
+        end = start + _PIECE_CHARS
+        cut = text.rfind(" ", start + _PIECE_CHARS // 2, end)
+        cut = cut if cut > start else end
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
 def _encode_with(tokenizer: TokenizerInfo, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """All documents' ids in one flat array, and each one's length: cheap to send between processes."""
-    docs = tokenizer.encode_documents(texts)
-    lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
-    return np.fromiter((i for ids in docs for i in ids), dtype=np.uint32,
-                       count=int(lengths.sum())), lengths
+    """All documents' ids in one flat array, and each one's length: cheap to send between
+    processes. Each document is [bos] + ids + [eos]; long ones are encoded piece by piece."""
+    encode = getattr(tokenizer.tokenizer, "encode_batch_fast", tokenizer.tokenizer.encode_batch)
+    head = np.asarray([tokenizer.bos_id] if tokenizer.bos_id is not None else [], np.uint32)
+    tail = np.asarray([tokenizer.eos_id], np.uint32)
+    parts: list[np.ndarray | None] = []  # the output in order; None until its piece is encoded
+    pending: list[tuple[int, str]] = []
+    pending_chars = 0
+
+    def flush() -> None:
+        encoded = encode([piece for _, piece in pending], add_special_tokens=False)
+        for (slot, _), e in zip(pending, encoded):
+            parts[slot] = np.asarray(e.ids, dtype=np.uint32)
+        pending.clear()
+
+    spans = []
+    for text in texts:
+        first = len(parts)
+        parts.append(head)
+        for piece in _pieces(text):
+            if pending and pending_chars + len(piece) > _ENCODE_CHARS:
+                flush()
+                pending_chars = 0
+            pending.append((len(parts), piece))
+            parts.append(None)
+            pending_chars += len(piece)
+        parts.append(tail)
+        spans.append((first, len(parts)))
+    if pending:
+        flush()
+    lengths = np.fromiter((sum(len(p) for p in parts[a:b]) for a, b in spans), dtype=np.int64,
+                          count=len(spans))
+    flat = np.concatenate(parts) if parts else np.zeros(0, np.uint32)
+    return flat, lengths
 
 
 def _split_docs(flat: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
@@ -315,7 +458,7 @@ def _tokenize(documents: Iterable[Document], tokenizer: TokenizerInfo, workers: 
             "fingerprint": tokenizer.fingerprint}
     # spawn, not fork: the parent may hold torch and tokenizers thread pools
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(info,)) as pool:
+    with _quiet_pool(ctx, workers, info) as pool:
         pending: list = []
         for chunk in _chunks(documents):
             pending.append((chunk, pool.apply_async(_encode, ([d.text for d in chunk],))))
@@ -326,19 +469,45 @@ def _tokenize(documents: Iterable[Document], tokenizer: TokenizerInfo, workers: 
             yield done_chunk, _split_docs(*result.get())
 
 
+def _quiet_pool(ctx, workers: int, info: dict):
+    """A pool whose workers ignore Ctrl-C: it reaches the whole process group, and the parent
+    stops the pool, so no worker prints a KeyboardInterrupt traceback of its own. A worker
+    inherits the ignoring from the moment it starts (an ignored signal survives exec)."""
+    if threading.current_thread() is not threading.main_thread():
+        return ctx.Pool(workers, initializer=_init_worker, initargs=(info,))
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return ctx.Pool(workers, initializer=_init_worker, initargs=(info,))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def train_tokenizer(inputs: list[str], vocab_size: int, out_dir: str | Path,
-                    options: PrepareOptions | None = None) -> TokenizerInfo:
-    """`kiln tokenizer train`: a byte-level BPE on the inputs' documents, saved to out_dir."""
+                    options: PrepareOptions | None = None, force: bool = False,
+                    stats: ReadStats | None = None) -> TokenizerInfo:
+    """`kiln tokenizer train`: a byte-level BPE on the inputs' documents, saved to out_dir.
+
+    An existing tokenizer in out_dir is replaced only with `force` (checked before training);
+    `stats`, when given, is filled with what reading the inputs found."""
     from kiln.data.tokenizer import describe, train_bpe
 
     options = options or PrepareOptions()
-    stats = ReadStats()
-    texts = (doc.text for f in expand_inputs(inputs, options.storage_options)
+    out_dir = check_output_dir(out_dir)
+    existing = [n for n in ("tokenizer.json", "tokenizer_config.json") if (out_dir / n).exists()]
+    if existing and not force:
+        raise KilnError(f"{out_dir} already holds {' and '.join(existing)}; pass --force to "
+                        "replace it, or choose another --out")
+    stats = stats if stats is not None else ReadStats()
+    texts = (piece for f in expand_inputs(inputs, options.storage_options)
              for doc in read_documents(f, options.fmt, options.text_field, None,
-                                       options.skip_bad_records, stats, options.storage_options))
+                                       options.skip_bad_records, stats, options.storage_options)
+             for piece in _pieces(doc.text))
     tokenizer = train_bpe(texts, vocab_size)
     if stats.documents == 0:
         raise KilnError("the inputs hold no documents to train a tokenizer on")
     info = describe(tokenizer)
-    save_tokenizer(info, Path(out_dir))
+    try:
+        save_tokenizer(info, out_dir)
+    except OSError as e:
+        raise os_error(e, f"writing the tokenizer to {out_dir}") from None
     return info

@@ -53,8 +53,16 @@ class ShardSet:
 
     def shard(self, i: int) -> np.ndarray:
         if i not in self._maps:
-            self._maps[i] = np.memmap(self.directory / self.shards[i]["file"], dtype=self.dtype,
-                                      mode="r", shape=(self.shards[i]["tokens"],))
+            path = self.directory / self.shards[i]["file"]
+            data = np.memmap(path, dtype=self.dtype, mode="r", shape=(self.shards[i]["tokens"],))
+            # One pass over the shard on first use: a file damaged in place (same size) would
+            # otherwise reach the model as ids outside the embedding.
+            top = int(data.max()) if len(data) else 0
+            if top >= self.vocab_size:
+                raise KilnError(f"shard {path} holds token id {top}, outside the "
+                                f"{self.vocab_size}-token vocabulary its manifest names: the "
+                                "file was changed or damaged; rerun kiln prepare")
+            self._maps[i] = data
         return self._maps[i]
 
     def read(self, start: int, length: int) -> np.ndarray:
@@ -74,7 +82,7 @@ class ShardSet:
         """(start, length) in the stream of every document, in prepared order."""
         starts, lengths = [], []
         for i, s in enumerate(self.shards):
-            ends = np.load(self.directory / s["docs"]).astype(np.int64)
+            ends = self._array(s["docs"]).astype(np.int64)
             begin = np.concatenate([[0], ends[:-1]])
             starts.append(begin + self.starts[i])
             lengths.append(ends - begin)
@@ -84,7 +92,15 @@ class ShardSet:
         if any("scores" not in s for s in self.shards):
             raise KilnError(f"{self.directory} was prepared without difficulty scores: rerun "
                             "kiln prepare with --score-field to order documents by difficulty")
-        return np.concatenate([np.load(self.directory / s["scores"]) for s in self.shards])
+        return np.concatenate([self._array(s["scores"]) for s in self.shards])
+
+    def _array(self, name: str) -> np.ndarray:
+        path = self.directory / name
+        try:
+            return np.load(path)
+        except (OSError, ValueError, EOFError) as e:
+            raise KilnError(f"{path} cannot be read ({e}): it is missing or damaged; rerun "
+                            "kiln prepare") from None
 
     def verify(self) -> None:
         """Recompute each shard's sha256 against the manifest (reads everything: slow, thorough)."""

@@ -6,15 +6,17 @@ missing field or column) is a KilnError naming the file, and the line where ther
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.errors import KilnError
-from kiln.urls import is_url
+from kiln.urls import is_url, scrub_credentials
 
 FORMATS = ("auto", "text", "jsonl", "parquet")
 _SUFFIXES = {".txt": "text", ".text": "text", ".md": "text", ".py": "text",
@@ -42,6 +44,23 @@ class ReadStats:
     documents: int = 0
     bad_records: int = 0
     bad_examples: list[str] = field(default_factory=list)
+    invalid_utf8_bytes: int = 0
+    """Bytes that are not UTF-8, each run replaced by U+FFFD; counted so a user hears of them."""
+    invalid_utf8_files: list[str] = field(default_factory=list)
+
+
+_replaced_bytes = 0
+
+
+def _count_and_replace(error: UnicodeDecodeError) -> tuple[str, int]:
+    """The "replace" error handler, counting what it replaces (read one file at a time)."""
+    global _replaced_bytes
+    _replaced_bytes += error.end - error.start
+    return "\ufffd", error.end
+
+
+_ERRORS = "kiln-count-replace"
+codecs.register_error(_ERRORS, _count_and_replace)
 
 
 def _known(name: str) -> bool:
@@ -92,6 +111,10 @@ def _expand_local(pattern: str) -> list[InputFile]:
 
 
 def _expand_url(pattern: str, storage_options: dict | None) -> list[InputFile]:
+    if scrub_credentials(pattern) != pattern:
+        raise KilnError(f"input {scrub_credentials(pattern)}: credentials in a URL (user:secret@) "
+                        "are not used, and would end up in logs; set them in the environment "
+                        "(AWS_ACCESS_KEY_ID, ...) or with --storage-option")
     fs = _fs(pattern, storage_options)
     protocol = pattern.split("://", 1)[0]
     try:
@@ -130,7 +153,7 @@ def detect_format(url: str, fmt: str) -> str:
 
 def _open(url: str, mode: str, storage_options: dict | None):
     """A file object; compressed files (.gz, .zst, ...) are decompressed on the fly."""
-    kwargs = {"encoding": "utf-8", "errors": "replace"} if "t" in mode else {}
+    kwargs = {"encoding": "utf-8", "errors": _ERRORS} if "t" in mode else {}
     if not is_url(url) and not any(url.endswith(s) for s in (".gz", ".bz2", ".xz", ".zst")):
         return open(url.removeprefix("file://"), mode, **kwargs)
     import fsspec
@@ -147,6 +170,7 @@ def read_documents(file: InputFile, fmt: str = "auto", text_field: str = "text",
     kind = detect_format(file.url, fmt)
     if file.size == 0:
         raise KilnError(f"input file {file.url} is empty")
+    replaced_before = _replaced_bytes
     try:
         if kind == "text":
             with _open(file.url, "rt", storage_options) as f:
@@ -166,6 +190,10 @@ def read_documents(file: InputFile, fmt: str = "auto", text_field: str = "text",
         raise KilnError(f"input file {file.url} does not exist (was it removed?)") from None
     except OSError as e:
         raise KilnError(f"cannot read {file.url}: {e.strerror or e}") from None
+    replaced = _replaced_bytes - replaced_before
+    if replaced:
+        stats.invalid_utf8_bytes += replaced
+        stats.invalid_utf8_files.append(file.url)
 
 
 def _bad(stats: ReadStats, skip: bool, message: str) -> None:
@@ -197,9 +225,22 @@ def _read_jsonl(url: str, text_field: str, score_field: str | None, skip: bool,
                 _bad(stats, skip, f"{url}, line {lineno}: field {text_field!r} is a "
                                   f"{type(text).__name__}, not a string")
                 continue
+            text = _without_lone_surrogates(text)
             score = _score(record.get(score_field), url, f"line {lineno}", score_field)
             stats.documents += 1
             yield Document(text, score)
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads already joined the valid pairs
+
+
+def _without_lone_surrogates(text: str) -> str:
+    """JSON may escape half a UTF-16 pair ("\\ud800"), which no tokenizer takes: each becomes
+    U+FFFD and is counted with the invalid UTF-8 bytes."""
+    global _replaced_bytes
+    fixed, count = _LONE_SURROGATE.subn("\ufffd", text)
+    _replaced_bytes += count
+    return fixed
 
 
 def _score(value, url: str, where: str, score_field: str | None) -> float | None:

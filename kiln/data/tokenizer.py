@@ -91,10 +91,15 @@ def load_tokenizer(path: str | Path) -> TokenizerInfo:
     config = {}
     if config_file.is_file():
         try:
-            config = json.loads(config_file.read_text())
+            config = json.loads(config_file.read_bytes())
         except json.JSONDecodeError as e:
             raise KilnError(f"{config_file}, line {e.lineno}, column {e.colno}: not valid "
                             f"JSON ({e.msg})") from None
+        except ValueError:
+            raise KilnError(f"{config_file} is not UTF-8 JSON") from None
+        if not isinstance(config, dict):
+            raise KilnError(f"{config_file} holds a JSON {type(config).__name__}, not an object "
+                            "of tokenizer settings")
     return describe(tokenizer, config, str(file))
 
 

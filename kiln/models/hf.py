@@ -7,37 +7,62 @@ from __future__ import annotations
 
 import re
 
+from pydantic import ValidationError
+
 from kiln.config import ModelConfig
 from kiln.errors import KilnError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def model_config_from_hf(hf: dict) -> ModelConfig:
-    """Our ModelConfig from the fields of a Hugging Face config.json."""
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "intermediate_size")
+
+
+def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
+    """Our ModelConfig from the fields of a Hugging Face config.json (read from `where`)."""
+    if not isinstance(hf, dict):
+        raise KilnError(f"{where} holds a JSON {type(hf).__name__}, not an object of model "
+                        "settings")
     kind = hf.get("model_type")
     if kind not in SUPPORTED_MODEL_TYPES:
-        raise KilnError(f"model_type {kind!r} is not supported; supported: "
+        raise KilnError(f"{where}: model_type {kind!r} is not supported; supported: "
                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    missing = [k for k in _REQUIRED if hf.get(k) is None]
+    if missing:
+        raise KilnError(f"{where} lacks {', '.join(missing)}: not a complete {kind} config")
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise KilnError(f"{where}: rope_scaling is a {type(rope).__name__}, not an object")
     rope_type = rope.get("rope_type", rope.get("type"))
     theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
     scaling = None
     if rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        absent = [k for k in keys if k not in rope]
+        if absent:
+            raise KilnError(f"{where}: llama3 rope_scaling lacks {', '.join(absent)}")
         scaling = dict(type="llama3", factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
                        high_freq_factor=rope["high_freq_factor"],
                        original_max_seq_len=rope["original_max_position_embeddings"])
     elif rope_type not in (None, "default"):
-        raise KilnError(f"rope scaling {rope_type!r} is not supported (only llama3)")
-    return ModelConfig(
-        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-        n_heads=hf["num_attention_heads"],
-        n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        head_dim=hf.get("head_dim"), intermediate_size=hf["intermediate_size"],
-        max_seq_len=hf.get("max_position_embeddings", 2048), rope_theta=theta,
-        rope_scaling=scaling, norm_eps=hf.get("rms_norm_eps", 1e-6),
-        qkv_bias=kind == "qwen2" or bool(hf.get("attention_bias", False)),
-        qk_norm=kind == "qwen3", tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+        raise KilnError(f"{where}: rope scaling {rope_type!r} is not supported (only llama3)")
+    try:
+        return ModelConfig(
+            vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+            n_heads=hf["num_attention_heads"],
+            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim"), intermediate_size=hf["intermediate_size"],
+            max_seq_len=hf.get("max_position_embeddings", 2048), rope_theta=theta,
+            rope_scaling=scaling, norm_eps=hf.get("rms_norm_eps", 1e-6),
+            qkv_bias=kind == "qwen2" or bool(hf.get("attention_bias", False)),
+            qk_norm=kind == "qwen3", tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'the shape'}: "
+                             f"{err['msg'].removeprefix('Value error, ')}" for err in e.errors())
+        raise KilnError(f"{where} describes a model kiln cannot build ({problems}; the names "
+                        "are kiln's model fields)") from None
+
 
 # (ours, Hugging Face); {i} is the layer index.
 _NAMES = [

@@ -27,4 +27,5 @@ def rank_health(step_time_s: float, peak_mem_mb: float, device: torch.device) ->
     slowest = max(range(len(times)), key=times.__getitem__)
     return {"slowest_rank": slowest, "step_time_max_s": times[slowest],
             "step_time_median_s": statistics.median(times),
-            "peak_mem_mb_per_rank": [round(t[1].item(), 1) for t in every]}
+            # by rank, a mapping: trackers (TensorBoard, MLflow) flatten it into one series each
+            "peak_mem_mb_per_rank": {str(r): round(t[1].item(), 1) for r, t in enumerate(every)}}

@@ -37,8 +37,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: JobConfig) -> None:
     """FSDP2 per block and at the root, over (dp_replicate, dp_shard): HSDP when both are > 1,
     plain data parallel when dp_shard is 1, fully sharded when dp_replicate is 1."""
     pcfg = cfg.parallel
-    bf16 = cfg.precision.dtype == "bf16"
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    param_dtype = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.dtype)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy() if pcfg.cpu_offload else None
     kwargs = dict(mesh=dp_mesh, mp_policy=mp, **({"offload_policy": offload} if offload else {}))
     for block in model.layers.values():

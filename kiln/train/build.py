@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kiln.checkpoint.checkpointer import Checkpointer, Resumed
+from kiln.checkpoint.storage import Storage
 from kiln.checkpoint.hf_import import load_hf_weights, resolve_init_from
 from kiln.config import BatchPlan, JobConfig, plan_batch
 from kiln.data.pipeline import Data
@@ -24,8 +25,9 @@ from kiln.parallel import parallelize
 from kiln.parallel.pipeline import Pipeline, StageSpec, build_pipeline
 from kiln.parallel.mesh import Layout, build_mesh, device_for_rank, dp_rank_size, rank_world, resolve_layout
 from kiln.tasks import build_task
+from kiln.train.device import resolve_device
 from kiln.train.optim import build_optimizer
-from kiln.train.precision import autocast
+from kiln.train.precision import Precision, autocast, describe_precision, detect_hardware, grad_scaler, resolve_precision
 from kiln.train.schedule import LRSchedule
 
 
@@ -44,6 +46,11 @@ class Run:
     task: object
     data: Data
     amp: object
+    precision: Precision
+    """The resolved choice (precision.dtype auto -> what this hardware runs natively)."""
+    precision_record: dict
+    scaler: object
+    """A GradScaler for fp16, else None."""
     checkpointer: Checkpointer
     resumed: Resumed | None
     rank: int
@@ -62,19 +69,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise KilnError(f"train.device {name!r} is not a device name ({e})") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise KilnError(f"train.device {name!r}, but this machine has no usable CUDA device; "
-                        "set train.device: cpu (or auto)")
-    return device
-
-
 def build(cfg: JobConfig, resume: str = "auto") -> Run:
     cfg = resolve_init_from(cfg)
     tcfg = cfg.train
@@ -87,6 +81,22 @@ def build(cfg: JobConfig, resume: str = "auto") -> Run:
     mesh = build_mesh(layout, device.type)
     plan = plan_batch(cfg, layout.dp)
     run_dir = cfg.run_dir
+    if rank == 0:
+        preflight(cfg)
+    hardware = detect_hardware(device)
+    precision = resolve_precision(cfg.precision, hardware)
+    if layout.pp > 1 and cfg.tracking.eval_tasks:
+        raise KilnError("parallel.pp > 1 with tracking.eval_tasks: the evaluation tasks run the "
+                        "whole model's forward, which a pipeline stage does not have; use pp: 1")
+    if layout.pp > 1 and precision.needs_grad_scaler:
+        raise KilnError("parallel.pp > 1 with fp16 precision: the pipeline schedules run backward "
+                        "themselves and take no gradient scaler; use bf16 (or fp32)")
+    if rank == 0:
+        print(f"kiln: {precision.summary}", flush=True)
+        if precision.warning:
+            print(f"kiln: warning: {precision.warning}", flush=True)
+    # The run's config records what runs; the metrics log records why.
+    cfg = cfg.model_copy(update={"precision": cfg.precision.model_copy(update={"dtype": precision.dtype})})
 
     task = build_task("pretrain")
     dp_rank, dp_size = dp_rank_size(mesh)
@@ -102,10 +112,11 @@ def build(cfg: JobConfig, resume: str = "auto") -> Run:
     pipeline = None
     if layout.pp > 1:
         pipeline = build_pipeline(cfg, mesh, device, plan.micro_batch_size * plan.grad_accum_steps,
-                                  plan.grad_accum_steps, lambda spec: build_model(cfg, mesh, device, spec))
+                                  plan.grad_accum_steps,
+                                  lambda spec: build_model(cfg, mesh, device, hardware, spec))
         model = pipeline.model
     else:
-        model = build_model(cfg, mesh, device)
+        model = build_model(cfg, mesh, device, hardware)
     optimizer = build_optimizer(model, cfg.optim)
     schedule = LRSchedule(optimizer, cfg.optim.lr, cfg.schedule, plan.total_steps or 1)
     checkpointer = Checkpointer(cfg, run_dir, model, optimizer, schedule, data.train)
@@ -114,10 +125,23 @@ def build(cfg: JobConfig, resume: str = "auto") -> Run:
         (run_dir / "config.yaml.tmp").write_text(cfg.to_yaml())
         (run_dir / "config.yaml.tmp").replace(run_dir / "config.yaml")
     return Run(cfg, run_dir, device, layout, mesh, plan, model, optimizer, schedule, task, data,
-               autocast(cfg.precision, device), checkpointer, resumed, rank, pipeline)
+               autocast(precision, device), precision, describe_precision(precision, hardware),
+               grad_scaler(precision, device), checkpointer, resumed, rank, pipeline)
 
 
-def build_model(cfg: JobConfig, mesh, device: torch.device, stage: StageSpec | None = None) -> nn.Module:
+def preflight(cfg: JobConfig) -> None:
+    """What can stop a run, checked before anything is written: the run directory can be made,
+    and the checkpoint directory is reachable and writable (a small probe object)."""
+    for path in (cfg.run_dir, *cfg.run_dir.parents):
+        if path.exists() and not path.is_dir():
+            raise KilnError(f"the run directory {cfg.run_dir} (out_dir/name) cannot be made: "
+                            f"{path} is a file; set out_dir or name to another place")
+    if cfg.checkpoint.enabled:
+        Storage(cfg.checkpoint.dir or str(cfg.run_dir / "checkpoints"), cfg.checkpoint.endpoint_url).probe()
+
+
+def build_model(cfg: JobConfig, mesh, device: torch.device, hardware=None,
+                stage: StageSpec | None = None) -> nn.Module:
     """The model built on the meta device (no memory), parallelised, then materialised on
     `device` with each rank holding only its shards, and initialised or loaded. With `stage`,
     only that pipeline stage's parts."""
@@ -125,6 +149,12 @@ def build_model(cfg: JobConfig, mesh, device: torch.device, stage: StageSpec | N
         model = Transformer(cfg.model)
     if stage is not None:
         model = stage.cut(model)
+    if cfg.precision.dtype == "fp8":  # before tensor parallel, compile and FSDP (torchtitan's order)
+        from kiln.parallel.float8 import convert_to_float8
+
+        shard = mesh is not None and mesh["dp_shard"].size() > 1
+        convert_to_float8(model, cfg.precision, hardware or detect_hardware(device),
+                          fsdp_float8_all_gather=cfg.precision.fp8_recipe == "tensorwise" and shard)
     parallelize(model, mesh, cfg)
     model.to_empty(device=device)
     model.tie_weights()

@@ -20,9 +20,11 @@ from kiln.data.batch import Batch
 from kiln.models.transformer import count_parameters, flops_per_token
 from kiln.parallel.health import rank_health
 from kiln.parallel.mesh import dp_group
+from kiln.eval.tasks import run_tasks
 from kiln.parallel.pipeline import gather_stages
+from kiln.tracking import Trackers
 from kiln.train.build import Run, build
-from kiln.train.metrics import MetricsLog, peak_flops, peak_memory_mb
+from kiln.train.metrics import MetricsLog, peak_memory_mb, resolve_peak
 
 
 @dataclass
@@ -64,7 +66,8 @@ class Trainer:
     def train_step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.run.pipeline is None:
             return train_step(self.model, self.optimizer, self.run.task.loss_sum, batches,
-                              self.run.amp, self.cfg.optim.grad_clip, self.dp_group)
+                              self.run.amp, self.cfg.optim.grad_clip, self.dp_group, self.run.scaler)
+        # Pipeline stages (no fp16 gradient scaler there: refused at build).
         loss = self.forward_backward(batches)
         grad_norm = clip_grad_norm([p for p in self.model.parameters() if p.grad is not None],
                                    self.cfg.optim.grad_clip, self.pp_group)
@@ -79,8 +82,11 @@ class Trainer:
         progress = run.resumed.progress if run.resumed else Progress()
         log = self._open_log(progress)
         flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
-        peak = peak_flops(run.device, torch.bfloat16 if cfg.precision.dtype == "bf16" else torch.float32,
-                          cfg.metrics.peak_tflops) * run.layout.world_size
+        peak = resolve_peak(run.device, run.precision.matmul_dtype, cfg.metrics.peak_tflops)
+        if run.is_main:
+            print(f"kiln: MFU peak per rank {peak.flops / 1e12:.3g} TFLOP/s ({peak.source})", flush=True)
+            log.log({"step": progress.step, "precision": run.precision_record})
+        peak = peak.flops * run.layout.world_size
         result = TrainResult(start_step=progress.step, tokens=progress.tokens)
         step = progress.step
         done = budget_spent(tcfg, step, result.tokens, progress.elapsed)
@@ -150,6 +156,9 @@ class Trainer:
         if run.resumed is None:
             (run.run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run; a resumed one appends
         log = MetricsLog(run.run_dir / "metrics.jsonl", total, self.cfg.metrics.progress_bar, progress.step)
+        # metrics.jsonl and the console, then TensorBoard / MLflow as cfg.tracking says.
+        log = Trackers.open(self.cfg, run.run_dir, run.rank, progress.step,
+                            run.resumed.source if run.resumed else None, run.layout.world_size, log)
         if run.resumed:
             log.log({"step": progress.step, "resumed_from": run.resumed.source,
                      "config_changes": run.resumed.changes})
@@ -183,7 +192,11 @@ class Trainer:
                 record.update(val_loss=loss, val_ppl=math.exp(min(loss, 50)))
             if len(val_sets) > 1:
                 record.update({f"val/{name}_loss": loss, f"val/{name}_ppl": math.exp(min(loss, 50))})
+        if self.cfg.tracking.eval_tasks:  # every rank takes part in the forwards
+            record.update(run_tasks(self.model, run.data.info, self.cfg.tracking.eval_tasks))
         self.model.train()
+        if run.is_main:
+            run.checkpointer.best.observe(record)
         log.log(record)
 
     def _save_weights(self) -> None:
@@ -216,7 +229,7 @@ class Trainer:
 
 
 def forward_backward(model: nn.Module, loss_sum, batches: list[Batch], amp=nullcontext(),
-                     dp_group=None) -> torch.Tensor:
+                     dp_group=None, scaler=None) -> torch.Tensor:
     """Forward and backward over a step's micro-batches; returns this rank's share of the mean
     loss (the sum over data-parallel ranks is the step's loss), on the device."""
     # Divide by the count of targets over all micro-batches and data-parallel ranks, so any
@@ -229,18 +242,25 @@ def forward_backward(model: nn.Module, loss_sum, batches: list[Batch], amp=nullc
     for batch in batches:
         with amp:
             loss = loss_sum(model, batch) / n_targets
-        loss.backward()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
         total += loss.detach()
     return total
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_sum, batches: list[Batch],
                amp=nullcontext(), grad_clip: float | None = None,
-               dp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step; (loss, grad norm) as device tensors: nothing here waits for the device."""
-    loss = forward_backward(model, loss_sum, batches, amp, dp_group)
+               dp_group=None, scaler=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step; (loss, grad norm) as device tensors: nothing here waits for the device
+    (except fp16's gradient scaler, which must look for infinities)."""
+    loss = forward_backward(model, loss_sum, batches, amp, dp_group, scaler)
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm([p for p in model.parameters() if p.grad is not None], grad_clip)
-    optimizer.step()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
 
