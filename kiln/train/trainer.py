@@ -176,9 +176,10 @@ class Trainer:
         log.log(record)
 
     def _save_weights(self) -> None:
-        # Every rank takes part in gathering the full weights; rank 0 writes them.
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
-                                                                          cpu_offload=True))
+        # Every rank takes part in gathering the full weights; rank 0 writes them. Frozen
+        # weights (an adapter run's base) are left out: the run never copies its base.
+        state = get_model_state_dict(self.model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
         if not self.run.is_main:
             return
         if self.cfg.model.tie_embeddings:
