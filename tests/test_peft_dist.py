@@ -2,27 +2,21 @@
 losses and adapter, the base sharded and frozen on both ranks."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import torchrun
 from test_peft import base, job  # noqa: F401  (base: the module-scoped Hugging Face base fixture)
 from kiln.train.trainer import train
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.xfail(strict=True, reason=(
     "multi-process training is the scale-out issue's, in progress: on this branch `kiln train` "
-    "under torchrun starts no process group (each rank sees a world of 1), and FSDP2's gradient "
-    "divide factor of 1 needs ReduceOp.PREMUL_SUM, which gloo lacks. With both worked around in "
-    "a worker of its own, LoRA over 2 FSDP2 ranks matched one process to 3e-6 in the loss"))
+    "under torchrun starts no process group, so each rank sees a world of 1 and refuses the "
+    "dp_shard=2 layout. With the group started by a worker of its own, LoRA over 2 FSDP2 ranks "
+    "gave the single-process losses"))
 def test_lora_over_two_fsdp2_ranks_equals_one_process(tmp_path, base):  # noqa: F811
     # The same global batch of 8 sequences: 2 ranks x 4, or 1 process x 2 micro-batches of 4.
     common = dict(train={"global_batch_size": 8, "num_threads": 1}, checkpoint={"interval": None})
@@ -31,18 +25,7 @@ def test_lora_over_two_fsdp2_ranks_equals_one_process(tmp_path, base):  # noqa: 
     sharded = job(tmp_path / "sharded", base, "lora", steps=4, parallel={"dp_shard": 2}, **common)
     config = tmp_path / "sharded.yaml"
     config.write_text(sharded.to_yaml())
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "kiln", "train", str(config)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    try:
-        output, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output[-3000:]
+    torchrun(["-m", "kiln", "train", str(config)], timeout=300)
     lines = [json.loads(line) for line in (sharded.run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in lines if "loss" in r]
     want = [reference.losses[i - 1] for i in (3, 4)]  # logged every 3 steps and at the end
