@@ -263,3 +263,23 @@ def test_adapters_lists_runs_and_exports_with_their_base(tmp_path, lora_runs, ca
     rows = [line for line in lines[1:] if fingerprint in line]
     assert len(rows) == 2 and all(" dora " in r and " pretrain " in r for r in rows)
     assert any("runs/dora-run" in r for r in rows) and any("exports/dora" in r for r in rows)
+
+
+@pytest.mark.parametrize("method", ["dora", "qlora"])
+def test_adapters_compose_with_activation_checkpointing_and_bf16(tmp_path, base, method):
+    x = tokens()
+    grads = []
+    for checkpointing in (False, True):
+        model = build_model(job(tmp_path, base, method, train={"activation_checkpointing": checkpointing}), None, CPU)
+        randomize_adapters(model)
+        cross_entropy_sum(model(x[:, :-1]), x[:, 1:]).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and all(is_adapter_name(n) for n in grads[0])
+    for name, grad in grads[0].items():  # recomputed activations, the same gradients
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5)
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = cross_entropy_sum(model(x[:, :-1]), x[:, 1:])
+    loss.backward()
+    bf16 = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert bf16.keys() == grads[0].keys() and all(g.dtype == torch.float32 and g.isfinite().all() for g in bf16.values())

@@ -179,6 +179,10 @@ def trainable_parameters(model: nn.Module) -> int:
 
 def check_layout(cfg: JobConfig, world_size: int) -> None:
     """Combinations not supported yet, as a clear error before anything is built."""
+    if cfg.peft.method != "full" and cfg.parallel.tp > 1:
+        raise KilnError(f"peft.method {cfg.peft.method} with parallel.tp={cfg.parallel.tp}: tensor "
+                        "parallel plans for adapter layers are not written yet; shard the base "
+                        "with dp_shard (FSDP2) instead")
     if cfg.peft.method == "qlora" and world_size > 1:
         raise KilnError(f"peft.method qlora runs in one process (this job has {world_size}): "
                         "sharding an NF4 base over FSDP2 ranks is not wired in yet; use "
