@@ -283,3 +283,22 @@ def test_adapters_compose_with_activation_checkpointing_and_bf16(tmp_path, base,
     loss.backward()
     bf16 = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert bf16.keys() == grads[0].keys() and all(g.dtype == torch.float32 and g.isfinite().all() for g in bf16.values())
+
+
+def test_fingerprint_is_cached_beside_the_weights_and_follows_them(tmp_path, base):
+    copy = tmp_path / "base"
+    shutil.copytree(base, copy)
+    (copy / "kiln-fingerprint.json").unlink(missing_ok=True)
+    first = weights_fingerprint(copy)
+    cache = json.loads((copy / "kiln-fingerprint.json").read_text())
+    assert cache["fingerprint"] == first == weights_fingerprint(base)
+    # Read from the cache while the files are unchanged...
+    (copy / "kiln-fingerprint.json").write_text(json.dumps({**cache, "fingerprint": "sha256:cached"}))
+    assert weights_fingerprint(copy) == "sha256:cached"
+    # ...and hashed again once they change (the same tensors in another file layout agree).
+    weights = load_file(copy / "model.safetensors")
+    save_file(dict(reversed(list(weights.items()))), str(copy / "model.safetensors"), metadata={"format": "pt"})
+    assert weights_fingerprint(copy) == first
+    weights["model.norm.weight"][0] += 1e-3
+    save_file(weights, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    assert weights_fingerprint(copy) not in (first, "sha256:cached")
