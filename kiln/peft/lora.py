@@ -179,6 +179,9 @@ def trainable_parameters(model: nn.Module) -> int:
 
 def check_layout(cfg: JobConfig, world_size: int) -> None:
     """Combinations not supported yet, as a clear error before anything is built."""
+    if cfg.peft.method != "full" and cfg.precision.dtype == "fp8":
+        raise KilnError(f"peft.method {cfg.peft.method} with precision.dtype fp8: adapters over "
+                        "float8 linear layers are not wired in; use precision.dtype bf16 (or auto)")
     if cfg.peft.method != "full" and cfg.parallel.tp > 1:
         raise KilnError(f"peft.method {cfg.peft.method} with parallel.tp={cfg.parallel.tp}: tensor "
                         "parallel plans for adapter layers are not written yet; shard the base "
