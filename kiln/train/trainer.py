@@ -200,12 +200,13 @@ class Trainer:
         log.log(record)
 
     def _save_weights(self) -> None:
-        # Every rank takes part in gathering the full weights; rank 0 writes them.
+        # Every rank takes part in gathering the full weights; rank 0 writes them. Frozen
+        # weights (an adapter run's base) are left out: the run never copies its base.
         # With cpu_offload only global rank 0 receives the tensors; pipeline stages other than
         # rank 0's must receive theirs to hand them on, so they gather on the device.
         stages = self.pp_group is not None
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
-                                                                          cpu_offload=not stages))
+        state = get_model_state_dict(self.model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=not stages, ignore_frozen_params=True))
         if stages:  # each stage has its own layers: rank 0 gathers them
             state = gather_stages({k: v.cpu() for k, v in state.items()}, self.run.mesh)
         if not self.run.is_main:
