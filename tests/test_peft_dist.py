@@ -12,11 +12,6 @@ from test_peft import base, job  # noqa: F401  (base: the module-scoped Hugging 
 from kiln.train.trainer import train
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "multi-process training is the scale-out issue's, in progress: on this branch `kiln train` "
-    "under torchrun starts no process group, so each rank sees a world of 1 and refuses the "
-    "dp_shard=2 layout. With the group started by a worker of its own, LoRA over 2 FSDP2 ranks "
-    "gave the single-process losses"))
 def test_lora_over_two_fsdp2_ranks_equals_one_process(tmp_path, base):  # noqa: F811
     # The same global batch of 8 sequences: 2 ranks x 4, or 1 process x 2 micro-batches of 4.
     common = dict(train={"global_batch_size": 8, "num_threads": 1}, checkpoint={"interval": None})
