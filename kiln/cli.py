@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from kiln import launch
 from kiln.config import load_config
-from kiln.errors import KilnError
+from kiln.errors import KilnError, Preempted
 from kiln.launch.process_group import env_rank_world, rank_label
 from kiln.urls import scrub_credentials
 
@@ -311,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     except KilnError as e:
         print(f"kiln: error{rank_label()}: {scrub_credentials(e)}", file=sys.stderr)
         return 2
+    except Preempted as e:
+        print(f"kiln: stopped: {e}", file=sys.stderr)
+        return 75  # kiln.train.guards.EXIT_RESTART: "restart me"
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)
         return 130

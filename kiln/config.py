@@ -361,8 +361,10 @@ class CheckpointConfig(Section):
 
 class GuardsConfig(Section):
     """What keeps a long run alive (kiln/train/guards.py): bad steps, preemption, hangs."""
-    skip_bad_steps: bool = True
-    """Skip the optimizer step on a non-finite loss or gradient norm, or a loss spike."""
+    skip_bad_steps: bool = False
+    """Skip the optimizer step on a non-finite loss or gradient norm, or a loss spike (and roll
+    back after rollback_after in a row). It reads the loss and gradient norm every step: one
+    host-device sync per step, which a GPU pipeline pays for, so it is opt-in."""
     spike_k: float = Field(6.0, gt=0)
     """A loss more than this many standard deviations above the recent window is a spike."""
     spike_window: int = Field(100, ge=2)
