@@ -128,7 +128,7 @@ def detect_format(url: str, fmt: str) -> str:
     return "text"
 
 
-def _open(url: str, mode: str, storage_options: dict | None):
+def open_input(url: str, mode: str, storage_options: dict | None):
     """A file object; compressed files (.gz, .zst, ...) are decompressed on the fly."""
     kwargs = {"encoding": "utf-8", "errors": "replace"} if "t" in mode else {}
     if not is_url(url) and not any(url.endswith(s) for s in (".gz", ".bz2", ".xz", ".zst")):
@@ -149,7 +149,7 @@ def read_documents(file: InputFile, fmt: str = "auto", text_field: str = "text",
         raise KilnError(f"input file {file.url} is empty")
     try:
         if kind == "text":
-            with _open(file.url, "rt", storage_options) as f:
+            with open_input(file.url, "rt", storage_options) as f:
                 text = f.read()
             if not text.strip():
                 raise KilnError(f"input file {file.url} holds only whitespace")
@@ -168,7 +168,7 @@ def read_documents(file: InputFile, fmt: str = "auto", text_field: str = "text",
         raise KilnError(f"cannot read {file.url}: {e.strerror or e}") from None
 
 
-def _bad(stats: ReadStats, skip: bool, message: str) -> None:
+def bad_record(stats: ReadStats, skip: bool, message: str) -> None:
     if not skip:
         raise KilnError(message + " (pass --skip-bad-records to skip and count such records)")
     stats.bad_records += 1
@@ -178,23 +178,23 @@ def _bad(stats: ReadStats, skip: bool, message: str) -> None:
 
 def _read_jsonl(url: str, text_field: str, score_field: str | None, skip: bool,
                 stats: ReadStats, storage_options: dict | None) -> Iterator[Document]:
-    with _open(url, "rt", storage_options) as f:
+    with open_input(url, "rt", storage_options) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                _bad(stats, skip, f"{url}, line {lineno}, column {e.colno}: not valid JSON ({e.msg})")
+                bad_record(stats, skip, f"{url}, line {lineno}, column {e.colno}: not valid JSON ({e.msg})")
                 continue
             if not isinstance(record, dict) or text_field not in record:
                 keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-                _bad(stats, skip, f"{url}, line {lineno}: no text field {text_field!r} "
+                bad_record(stats, skip, f"{url}, line {lineno}: no text field {text_field!r} "
                                   f"(the record has: {keys}); choose it with --field")
                 continue
             text = record[text_field]
             if not isinstance(text, str):
-                _bad(stats, skip, f"{url}, line {lineno}: field {text_field!r} is a "
+                bad_record(stats, skip, f"{url}, line {lineno}: field {text_field!r} is a "
                                   f"{type(text).__name__}, not a string")
                 continue
             score = _score(record.get(score_field), url, f"line {lineno}", score_field)
@@ -218,7 +218,7 @@ def _read_parquet(url: str, column: str, score_field: str | None, stats: ReadSta
         import pyarrow.parquet as pq
     except ImportError:
         raise KilnError(f"reading {url} needs pyarrow: pip install pyarrow") from None
-    with _open(url, "rb", storage_options) as f:
+    with open_input(url, "rb", storage_options) as f:
         try:
             parquet = pq.ParquetFile(f)
         except Exception as e:  # pyarrow raises ArrowInvalid for a file that is not Parquet

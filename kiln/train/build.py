@@ -88,7 +88,7 @@ def build(cfg: JobConfig, resume: str = "auto") -> Run:
     plan = plan_batch(cfg, layout.dp)
     run_dir = cfg.run_dir
 
-    task = build_task("pretrain")
+    task = build_task(cfg.task)
     dp_rank, dp_size = dp_rank_size(mesh)
     # Rank 0 prepares shared files (tokenizer, shards) first; the others then find them done.
     if rank == 0:

@@ -98,7 +98,8 @@ class Trainer:
                 log.advance(0, losses[-1])
                 log.log({"step": step, "loss": losses[-1], "lr": lr, "grad_norm": grad_norms[-1],
                          "tokens_per_s": tps, "mfu": tps * flops_tok / peak,
-                         "peak_mem_mb": peak_memory_mb(run.device), "tokens": result.tokens})
+                         "peak_mem_mb": peak_memory_mb(run.device), "tokens": result.tokens,
+                         **run.data.train.window_stats(len(losses))})
                 window_start, window_tokens = time.perf_counter(), 0
             if step % tcfg.eval_interval == 0 or done:
                 self._evaluate(step, log, result)
@@ -179,6 +180,8 @@ class Trainer:
         run, tcfg = self.run, self.cfg.train
         if tcfg.sample_tokens == 0:
             return ""
+        if hasattr(run.task, "sample"):  # the task knows what to generate from (held-out prompts)
+            return run.task.sample(self.model, run)
         prompt = torch.tensor([run.data.tokenizer.encode(tcfg.sample_prompt).ids], device=run.device)
         self.model.eval()
         with run.amp:  # every rank samples the same (same seed): sharded forwards need them all
