@@ -269,11 +269,11 @@ def test_docstring_pairs_strip_the_docstring_and_split_by_module():
 
 
 def test_quickstart_sft_config_builds_its_docstring_data_on_a_small_slice(tmp_path, capsys):
-    texts = [p.source + p.docstring for p in docstring_pairs(0.2, max_bytes=300_000)[0]]
+    texts = [p.source + p.docstring for p in docstring_pairs(0.2, max_bytes=400_000)[0]]
     tok = describe(train_bpe(texts, 512))
     save_tokenizer(tok, tmp_path / "tok")
     cfg = load_config("configs/quickstart-sft.yaml", [
-        f"out_dir={tmp_path}", "data.max_bytes=300000", "data.val_fraction=0.2",
+        f"out_dir={tmp_path}", "data.max_bytes=400000", "data.val_fraction=0.2",
         f"data.tokenizer={tmp_path / 'tok'}", "train.micro_batch_size=4"])
     assert cfg.task == "sft" and cfg.data.source == "stdlib"
     data = Sft().build_data(cfg, cfg.run_dir, 0, 1)
@@ -285,7 +285,7 @@ def test_quickstart_sft_config_builds_its_docstring_data_on_a_small_slice(tmp_pa
     # every trained-on stretch of a held-out example is its docstring, closed by the template
     examples = data.val_samples["docstrings"]
     prompt, reply = examples.prompt_and_reply(0)
-    held_out = list(docstring_pairs(0.2, max_bytes=300_000)[1])
+    held_out = list(docstring_pairs(0.2, max_bytes=400_000)[1])
     decoded = tok.tokenizer.decode(reply.tolist(), skip_special_tokens=False)
     assert any(decoded.startswith(p.docstring) for p in held_out), decoded
     shown = show_rows(cfg, 2)
@@ -297,3 +297,42 @@ def test_default_template_renders_a_generation_prompt_that_prefixes_the_reply(pl
     assert chat.source == DEFAULT_TEMPLATE
     prompt = chat.render(CHAT[1:2], add_generation_prompt=True)
     assert chat.render(CHAT[1:3]) == prompt + "Sure: five.<|endoftext|>"
+
+
+def test_shipped_fine_tuning_configs_validate():
+    for name, task in (("finetune-full", "sft"), ("continued-pretraining", "pretrain"),
+                       ("quickstart-sft", "sft")):
+        cfg = load_config(f"configs/{name}.yaml")
+        assert cfg.task == task and cfg.model.init_from == "runs/quickstart/hf"
+
+
+def test_sft_job_pretrains_its_missing_base_then_fine_tunes_and_writes_replies(tmp_path, capsys):
+    base = tiny_job(tmp_path, name="base", model=dict(max_seq_len=256),
+                    train=dict(max_steps=6, eval_interval=6, sample_tokens=0))
+    (tmp_path / "base.yaml").write_text(base.to_yaml())
+    rc = main(["train", "configs/quickstart-sft.yaml", "--set", f"out_dir={tmp_path / 'runs'}",
+               "--set", f"model.init_from={tmp_path / 'base-hf'}",
+               "--set", f"sft.base_job={tmp_path / 'base.yaml'}", "--set", "sft.base_overrides=[]",
+               "--set", "data.max_bytes=400000", "--set", "data.val_fraction=0.2",
+               "--set", "data.seq_len=128", "--set", "sft.overlong=truncate",
+               "--set", "sft.samples=2", "--set", "train.sample_tokens=6",
+               "--set", "train.micro_batch_size=4", "--set", "train.max_steps=4",
+               "--set", "train.eval_interval=4", "--set", "train.eval_batches=1",
+               "--set", "train.log_interval=2", "--set", "precision.dtype=fp32",
+               "--set", "metrics.peak_tflops=0.1", "--set", "metrics.progress_bar=off"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "no base model at" in out and "exported" in out and (tmp_path / "base-hf/config.json").is_file()
+    assert out.count("--- held-out prompt ---") == 2 and out.count("--- reference ---") == 2
+    lines = [json.loads(line) for line in (tmp_path / "runs/quickstart-sft/metrics.jsonl").open()]
+    logged = [r for r in lines if "loss" in r]
+    assert len(logged) == 2 and all(0 <= r["padding_fraction"] < 1 and r["trained_tokens_per_step"] > 0
+                                    for r in logged)
+    # A second run finds the base exported and up to date: nothing is trained or exported again.
+    from kiln.tasks.sft import ensure_base
+
+    cfg = load_config("configs/quickstart-sft.yaml", [
+        f"model.init_from={tmp_path / 'base-hf'}", f"sft.base_job={tmp_path / 'base.yaml'}",
+        "sft.base_overrides=[]"])
+    ensure_base(cfg)
+    assert capsys.readouterr().out == ""

@@ -105,15 +105,21 @@ def docstring_sets(cfg: JobConfig, run_dir: Path) -> ShardSets:
     sets = []
     for split, pairs in (("train", train), ("val", held_out)):
         key = {"inputs": f"docstrings:{split}:{fingerprint}", **key_options(info, options)}
-        try:
-            result = write_conversations((p.messages() for p in pairs), key, chat,
-                                         run_dir / "data" / f"docstrings-{split}", options)
-        except KilnError as e:
-            raise KilnError(f"the docstring task's {split} split: {e} (no function with a "
-                            f"docstring; data.val_fraction={cfg.data.val_fraction}, "
-                            f"data.max_bytes={cfg.data.max_bytes})") from None
+        result = write_conversations(_conversations(pairs, split, cfg), key, chat,
+                                     run_dir / "data" / f"docstrings-{split}", options)
         sets.append([("docstrings", ShardSet(result.out_dir, "train"))])
     return info, sets[0], sets[1]
+
+
+def _conversations(pairs, split: str, cfg: JobConfig):
+    n = 0
+    for pair in pairs:
+        n += 1
+        yield pair.messages()
+    if n == 0:
+        raise KilnError(f"the docstring task's {split} split has no function with a docstring "
+                        f"(data.val_fraction={cfg.data.val_fraction}, data.max_bytes="
+                        f"{cfg.data.max_bytes}: hold out more, or read more of the stdlib)")
 
 
 def ensure_base(cfg: JobConfig) -> None:
