@@ -262,7 +262,7 @@ def test_docstring_pairs_strip_the_docstring_and_split_by_module():
     found = function_pairs("m.py", text)
     assert [(p.name, p.source, p.docstring) for p in found] == [
         ("f", "@staticmethod\ndef f(x, y=1):\n    return x + y\n", "Add y to x.\n\nReturns the sum.")]
-    train, held_out, _ = docstring_pairs(0.2, max_bytes=600_000)
+    train, held_out, _ = docstring_pairs(0.2, max_bytes=400_000)
     train_modules = {p.module for p in train}
     held_modules = {p.module for p in held_out}
     assert train_modules and held_modules and not train_modules & held_modules

@@ -13,7 +13,6 @@ prepared set serves any seq_len.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -22,8 +21,8 @@ import numpy as np
 from kiln.data.chat import LAST_TURN, PROMPT, ChatFormat, check_messages
 from kiln.data.prepare import (PrepareOptions, PrepareResult, key_options, split_of,
                                write_shards)
-from kiln.data.sources import (InputFile, ReadStats, bad_record, detect_format, open_input,
-                               expand_inputs)
+from kiln.data.sources import (InputFile, ReadStats, bad_record, detect_format, expand_inputs,
+                               jsonl_records, open_input)
 from kiln.data.tokenizer import TokenizerInfo
 from kiln.errors import KilnError
 
@@ -61,17 +60,8 @@ def _records(file: InputFile, fmt: str, skip: bool, stats: ReadStats,
     if file.size == 0:
         raise KilnError(f"input file {file.url} is empty")
     if kind == "jsonl":
-        with open_input(file.url, "rt", storage_options) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    bad_record(stats, skip, f"{file.url}, line {lineno}, column {e.colno}: not valid "
-                                      f"JSON ({e.msg})")
-                    continue
-                yield f"{file.url}, line {lineno}", record
+        for lineno, record in jsonl_records(file.url, skip, stats, storage_options):
+            yield f"{file.url}, line {lineno}", record
     elif kind == "parquet":
         import pyarrow.parquet as pq
 

@@ -176,30 +176,36 @@ def bad_record(stats: ReadStats, skip: bool, message: str) -> None:
         stats.bad_examples.append(message)
 
 
-def _read_jsonl(url: str, text_field: str, score_field: str | None, skip: bool,
-                stats: ReadStats, storage_options: dict | None) -> Iterator[Document]:
+def jsonl_records(url: str, skip: bool, stats: ReadStats,
+                  storage_options: dict | None) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of each non-blank line; a line that is not JSON stops with
+    its line and column (or is skipped and counted)."""
     with open_input(url, "rt", storage_options) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 bad_record(stats, skip, f"{url}, line {lineno}, column {e.colno}: not valid JSON ({e.msg})")
-                continue
-            if not isinstance(record, dict) or text_field not in record:
-                keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-                bad_record(stats, skip, f"{url}, line {lineno}: no text field {text_field!r} "
-                                  f"(the record has: {keys}); choose it with --field")
-                continue
-            text = record[text_field]
-            if not isinstance(text, str):
-                bad_record(stats, skip, f"{url}, line {lineno}: field {text_field!r} is a "
-                                  f"{type(text).__name__}, not a string")
-                continue
-            score = _score(record.get(score_field), url, f"line {lineno}", score_field)
-            stats.documents += 1
-            yield Document(text, score)
+
+
+def _read_jsonl(url: str, text_field: str, score_field: str | None, skip: bool,
+                stats: ReadStats, storage_options: dict | None) -> Iterator[Document]:
+    for lineno, record in jsonl_records(url, skip, stats, storage_options):
+        if not isinstance(record, dict) or text_field not in record:
+            keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+            bad_record(stats, skip, f"{url}, line {lineno}: no text field {text_field!r} "
+                                    f"(the record has: {keys}); choose it with --field")
+            continue
+        text = record[text_field]
+        if not isinstance(text, str):
+            bad_record(stats, skip, f"{url}, line {lineno}: field {text_field!r} is a "
+                                    f"{type(text).__name__}, not a string")
+            continue
+        score = _score(record.get(score_field), url, f"line {lineno}", score_field)
+        stats.documents += 1
+        yield Document(text, score)
 
 
 def _score(value, url: str, where: str, score_field: str | None) -> float | None:
