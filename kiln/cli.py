@@ -125,7 +125,7 @@ def _data_command(args: argparse.Namespace) -> None:
         print(f"kiln: {args.out} already holds these inputs, prepared; nothing to do")
     else:
         tokens = sum(s["tokens"] for s in splits.values())
-        print(f"kiln: {result.stats.documents:,} documents, {tokens:,} tokens "
+        print(f"kiln: {result.stats.documents:,} {'examples' if args.sft else 'documents'}, {tokens:,} tokens "
               f"({tokens / (time.perf_counter() - start):,.0f} tokens/s), "
               f"{result.manifest['dtype']}, into {args.out}")
     for name, split in splits.items():
