@@ -61,12 +61,12 @@ class SFTExamples:
         over = lengths > seq_len + 1
         self.starts, self.lengths = starts, np.minimum(lengths, seq_len + 1)  # tokens kept
         targets = self._count_targets(lengths)
-        too_long = over if overlong == "drop" else np.zeros_like(over)
-        keep = (targets > 0) & ~too_long
+        dropped = over if overlong == "drop" else np.zeros_like(over)
+        keep = (targets > 0) & ~dropped
         self.counts = ExampleCounts(
-            examples=len(lengths), kept=int(keep.sum()), truncated=int((over & keep).sum())
-            if overlong == "truncate" else 0, dropped_overlong=int(too_long.sum()),
-            dropped_no_targets=int(((targets == 0) & ~too_long).sum()),
+            examples=len(lengths), kept=int(keep.sum()), truncated=int((over & keep).sum()),
+            dropped_overlong=int(dropped.sum()),
+            dropped_no_targets=int(((targets == 0) & ~dropped).sum()),
             targets=int(targets[keep].sum()))
         picked = np.flatnonzero(keep)
         if seed is not None:
