@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from kiln import launch
 from kiln.config import load_config
@@ -89,6 +90,17 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--shard-tokens", type=_POSITIVE, default=100_000_000,
                       help="start a new shard after this many tokens")
     prep.add_argument("--workers", type=_WORKERS, help="tokenizer processes (default: one per core)")
+    prep.add_argument("--sft", action="store_true",
+                      help="supervised fine-tuning examples: JSONL/Parquet records with 'messages' "
+                           "or 'prompt' and 'response'; writes a loss mask next to the tokens")
+    prep.add_argument("--chat-template", metavar="FILE",
+                      help="with --sft: a Jinja chat template file used instead of the tokenizer's")
+    data = commands.add_parser("data", help="look at a job's training data")
+    data_commands = data.add_subparsers(dest="data_command", required=True)
+    show = data_commands.add_parser("show", help="print the first training rows, trained-on "
+                                                 "tokens marked")
+    with_config(show)
+    show.add_argument("--n", type=_POSITIVE, default=2, help="rows to print (default 2)")
     tok = commands.add_parser("tokenizer", help="tokenizers")
     tok_commands = tok.add_subparsers(dest="tokenizer_command", required=True)
     tok_train = tok_commands.add_parser("train", help="train a byte-level BPE tokenizer on a corpus")
@@ -181,19 +193,39 @@ def _data_command(args: argparse.Namespace) -> None:
         _report_reading(stats)
         return
     start = time.perf_counter()
-    result = prepare(args.inputs, load_tokenizer(args.tokenizer), args.out, options)
+    if args.chat_template and not args.sft:
+        raise KilnError("--chat-template is for --sft (supervised fine-tuning examples)")
+    if args.sft:
+        from kiln.data.sft import prepare_sft
+
+        template = None
+        if args.chat_template:
+            try:
+                template = Path(args.chat_template).read_text()
+            except OSError as e:
+                raise KilnError(f"cannot read --chat-template {args.chat_template}: "
+                                f"{e.strerror or e}") from None
+        result = prepare_sft(args.inputs, load_tokenizer(args.tokenizer), args.out, options,
+                             template)
+    else:
+        result = prepare(args.inputs, load_tokenizer(args.tokenizer), args.out, options)
     splits = result.manifest["splits"]
     if result.reused:
         print(f"kiln: {args.out} already holds these inputs, prepared; nothing to do")
     else:
         tokens = sum(s["tokens"] for s in splits.values())
-        print(f"kiln: {result.stats.documents:,} documents, {tokens:,} tokens "
+        print(f"kiln: {result.stats.documents:,} {'examples' if args.sft else 'documents'}, {tokens:,} tokens "
               f"({tokens / (time.perf_counter() - start):,.0f} tokens/s), "
               f"{result.manifest['dtype']}, into {args.out}")
     for name, split in splits.items():
         if split["shards"]:
             print(f"  {name}: {split['tokens']:,} tokens, {split['documents']:,} documents, "
                   f"{len(split['shards'])} shards")
+    if "sft" in result.manifest:
+        sft = result.manifest["sft"]
+        print(f"  sft: {sft['template']} chat template; {sft['assistant_tokens']:,} assistant "
+              f"tokens ({sft['last_turn_tokens']:,} in last turns), {sft['prompt_tokens']:,} "
+              "prompt/template tokens")
     _report_reading(result.stats)
 
 
@@ -249,12 +281,20 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int | None:
         print(adapters_table(args.directory))
         return
     cfg = load_config(args.config, args.overrides)
+    if args.command == "train" and cfg.task == "sft" and env_rank_world()[0] == 0:
+        from kiln.tasks.sft import ensure_base
+
+        ensure_base(cfg)  # e.g. the quickstart model the embedded sft job starts from
     if cfg.model.init_from:  # the shape comes from the directory's config.json
         from kiln.checkpoint.hf_import import resolve_init_from
 
         cfg = resolve_init_from(cfg)
     if args.command == "config":
         print(cfg.to_yaml(), end="")
+    elif args.command == "data":
+        from kiln.data.show import show_rows
+
+        print(show_rows(cfg, args.n, color=sys.stdout.isatty()))
     elif args.command == "train":
         from kiln.launch.layout import check_layout
 

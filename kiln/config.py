@@ -147,7 +147,8 @@ class CurriculumStage(Section):
 class DataConfig(Section):
     source: Literal["stdlib", "shards"] = "stdlib"
     """'stdlib': the Python standard library's own source files, found at run time, prepared
-    into shards in the run directory; 'shards': directories written by `kiln prepare`."""
+    into shards in the run directory (with task 'sft': its functions' docstring pairs);
+    'shards': directories written by `kiln prepare` (`kiln prepare --sft` for task 'sft')."""
     seq_len: int = Field(256, gt=0)
     """Tokens per training sequence."""
     val_fraction: float = Field(0.05, gt=0, lt=1)
@@ -453,11 +454,39 @@ class PeftConfig(Section):
         if not self.target_modules or len(set(self.target_modules)) != len(self.target_modules):
             raise ValueError("peft.target_modules must name each layer at most once, at least one")
         return self
+class SFTConfig(Section):
+    """Supervised fine-tuning (`task: sft`): examples prepared by `kiln prepare --sft` (data.source
+    'shards'), or with data.source 'stdlib' the embedded task: write the docstring of a standard
+    library function from its source (pairs by `ast`, held-out modules never trained on)."""
+
+    loss_on: Literal["assistant", "last", "all"] = "assistant"
+    """Which tokens are targets: every assistant turn (or response), only the last assistant
+    turn of each example, or all tokens (prompts and template included)."""
+    packing: bool = True
+    """Pack several examples into each data.seq_len row (positions restart, no attention between
+    examples); false: one example per row, padded to the longest in the micro-batch."""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """Examples longer than data.seq_len + 1 tokens: cut to that length, or left out (both counted)."""
+    chat_template: str | None = None
+    """A Jinja chat template used instead of the tokenizer's (or kiln's default) when the run
+    prepares its own examples (data.source 'stdlib'); `kiln prepare --sft --chat-template FILE`
+    is the same for prepared data."""
+    samples: int = Field(3, ge=0)
+    """Held-out examples whose last response is generated (greedy, up to train.sample_tokens)
+    and printed next to the reference at the end of the run."""
+    base_job: str | None = None
+    """A job config (path) that makes model.init_from when it is missing or older than that job's
+    weights: trained first if it has no final weights, then exported there in Hugging Face form."""
+    base_overrides: list[str] = []
+    """`--set` style overrides for base_job (e.g. a shorter pretraining)."""
 
 
 class JobConfig(Section):
     name: str = "run"
     """The run directory is <out_dir>/<name>."""
+    task: Literal["pretrain", "sft"] = "pretrain"
+    """What is trained (kiln/tasks/): next-token prediction on documents, or supervised
+    fine-tuning on prompt/response examples with the loss on the responses."""
     out_dir: str = "runs"
     """The folder that holds run directories."""
     model: ModelConfig = ModelConfig()
@@ -472,6 +501,7 @@ class JobConfig(Section):
     guards: GuardsConfig = GuardsConfig()
     tracking: TrackingConfig = TrackingConfig()
     peft: PeftConfig = PeftConfig()
+    sft: SFTConfig = SFTConfig()
 
     @model_validator(mode="after")
     def _check_job(self) -> JobConfig:

@@ -33,9 +33,20 @@ def stdlib_files() -> list[Path]:
     return files
 
 
-def load_stdlib_corpus(val_fraction: float, max_bytes: int | None = None) -> Corpus:
+@dataclass
+class Module:
+    name: str
+    """Path relative to the standard library root, e.g. json/decoder.py."""
+    text: str
+    held_out: bool
+    """In the validation split: chosen by a hash of the name, so it never moves."""
+
+
+def stdlib_modules(val_fraction: float, max_bytes: int | None = None) -> tuple[list[Module], str]:
+    """The non-empty stdlib source files in order, each marked held out or not, and a sha256
+    over their names and contents."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    train, val, total = [], [], 0
+    modules, total = [], 0
     digest = hashlib.sha256()
     for path in stdlib_files():
         text = path.read_text(encoding="utf-8", errors="replace")
@@ -44,12 +55,20 @@ def load_stdlib_corpus(val_fraction: float, max_bytes: int | None = None) -> Cor
         name = path.relative_to(root).as_posix()
         digest.update(name.encode() + b"\0" + text.encode())
         bucket = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big") / 2**32
-        (val if bucket < val_fraction else train).append(text)
+        modules.append(Module(name, text, bucket < val_fraction))
         total += len(text)
         if max_bytes is not None and total >= max_bytes:
             break
+    return modules, digest.hexdigest()
+
+
+def load_stdlib_corpus(val_fraction: float, max_bytes: int | None = None) -> Corpus:
+    modules, fingerprint = stdlib_modules(val_fraction, max_bytes)
+    train = [m.text for m in modules if not m.held_out]
+    val = [m.text for m in modules if m.held_out]
     if not train or not val:
+        root = sysconfig.get_paths()["stdlib"]
         raise KilnError(f"the standard library corpus at {root} is too small to split "
                         f"({len(train)} train and {len(val)} validation files; "
                         f"data.val_fraction={val_fraction}, data.max_bytes={max_bytes})")
-    return Corpus(train, val, digest.hexdigest())
+    return Corpus(train, val, fingerprint)

@@ -7,24 +7,22 @@ import threading
 from collections.abc import Iterator
 
 import numpy as np
-import torch
 
 from kiln.data.batch import Batch
 from kiln.data.sampler import Sampler, Stage
-from kiln.data.shards import PackedSamples
 from kiln.errors import KilnError
 
 
 class ShardLoader:
     """Endless training batches of shape (micro_batch, seq_len) from one or more sources.
 
-    `state_dict()` is the position after the last batch handed out (not the last one read
-    ahead), so a run resumed from it sees exactly the batches an uninterrupted run would have.
-    In a curriculum stage with a shorter `seq_len`, each (B, L) batch is cut into
-    (B * L / seq_len, seq_len): the same tokens per step, shorter sequences.
+    The sources (PackedSamples for pretraining, SFTExamples for fine-tuning) say how their
+    samples become a Batch (`collate`). `state_dict()` is the position after the last batch
+    handed out (not the last one read ahead), so a run resumed from it sees exactly the batches
+    an uninterrupted run would have.
     """
 
-    def __init__(self, sources: list[PackedSamples], names: list[str], sampler: Sampler,
+    def __init__(self, sources: list, names: list[str], sampler: Sampler,
                  prefetch: int = 2, pin_memory: bool = False):
         self.sources, self.names, self.sampler = sources, names, sampler
         self.prefetch, self.pin_memory = prefetch, pin_memory
@@ -32,21 +30,19 @@ class ShardLoader:
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._counts = np.zeros(3, dtype=np.int64)  # positions, padding, targets handed out
 
     def __iter__(self) -> Iterator[Batch]:
         return self
 
-    def _produce(self) -> tuple[Batch, dict]:
+    def _produce(self) -> tuple[Batch, dict, np.ndarray]:
         picks, stage = self.sampler.next_batch()
-        rows = np.stack([self.sources[s].sample(i) for s, i in picks])
-        batch = torch.from_numpy(rows)
-        x, y = batch[:, :-1], batch[:, 1:]
-        if stage.seq_len is not None and stage.seq_len != x.shape[1]:
-            x, y = x.reshape(-1, stage.seq_len), y.reshape(-1, stage.seq_len)
-        batch = Batch(x.contiguous(), y.contiguous())
+        batch, padding = self.sources[0].collate([self.sources[s].sample(i) for s, i in picks],
+                                                 stage)
+        counts = np.array([batch.labels.numel(), padding, int(batch.count_targets())])
         if self.pin_memory:  # lets the copy to the GPU overlap with compute
             batch = batch.pin_memory()
-        return batch, self.sampler.state_dict()
+        return batch, self.sampler.state_dict(), counts
 
     def _run(self) -> None:
         # Read ahead while the trainer computes; numpy and memmap reads release the GIL.
@@ -66,7 +62,8 @@ class ShardLoader:
 
     def __next__(self) -> Batch:
         if self.prefetch == 0:
-            batch, self._state = self._produce()
+            batch, self._state, counts = self._produce()
+            self._counts += counts
             return batch
         if self._thread is None:
             self._queue, self._stop = queue.Queue(self.prefetch), threading.Event()
@@ -76,8 +73,17 @@ class ShardLoader:
         if isinstance(item, BaseException):
             self.close()
             raise item
-        batch, self._state = item
+        batch, self._state, counts = item
+        self._counts += counts
         return batch
+
+    def window_stats(self, steps: int) -> dict[str, float]:
+        """Since the last call, on this data-parallel rank: the share of positions that are
+        padding, and the tokens trained on (targets) per optimizer step; then start again."""
+        positions, padding, targets = self._counts.tolist()
+        self._counts[:] = 0
+        return {"padding_fraction": padding / max(positions, 1),
+                "trained_tokens_per_step": targets / max(steps, 1)}
 
     def close(self) -> None:
         """Stop reading ahead; the sampler is left past what was read ahead, so reset it."""
@@ -104,16 +110,12 @@ class ShardLoader:
         return {name: n * seq_len for name, n in zip(self.names, self._state["consumed"])}
 
 
-def fixed_batches(samples: PackedSamples, batch_size: int,
-                  n_batches: int) -> list[Batch]:
-    """The first n_batches batches of a set, in order: a validation set that never changes."""
+def fixed_batches(samples, batch_size: int, n_batches: int) -> list[Batch]:
+    """The first n_batches batches of a set (PackedSamples or SFTExamples), in order: a
+    validation set that never changes."""
     n = min(len(samples), n_batches * batch_size)
-    out = []
-    for start in range(0, n, batch_size):
-        rows = torch.from_numpy(np.stack([samples.sample(i)
-                                          for i in range(start, min(start + batch_size, n))]))
-        out.append(Batch(rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
-    return out
+    return [samples.collate([samples.sample(i) for i in range(start, min(start + batch_size, n))])[0]
+            for start in range(0, n, batch_size)]
 
 
 __all__ = ["ShardLoader", "Stage", "fixed_batches"]

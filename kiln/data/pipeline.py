@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,15 +31,29 @@ class Data:
     val_sets: dict[str, list] = field(default_factory=dict)
     """Every validation set by name, `val` first; each is reported separately."""
     info: TokenizerInfo | None = None
+    val_samples: dict = field(default_factory=dict)
+    """The samples each validation set's batches were made of, by name."""
 
 
-def build_data(cfg: JobConfig, run_dir: Path, rank: int = 0, world_size: int = 1) -> Data:
+ShardSets = tuple[TokenizerInfo, list[tuple[str, ShardSet]], list[tuple[str, ShardSet]]]
+
+
+def build_data(cfg: JobConfig, run_dir: Path, rank: int = 0, world_size: int = 1,
+               sets: Callable[[JobConfig, Path], ShardSets] | None = None,
+               samples: Callable[[str, ShardSet, bool], object] | None = None) -> Data:
     """rank, world_size: this process's place among the data-parallel ranks (each reads its
-    own slice of every global batch; tensor/pipeline peers of one replica read the same)."""
-    if cfg.data.source == "stdlib":
+    own slice of every global batch; tensor/pipeline peers of one replica read the same).
+
+    A task may say where the shards come from (`sets`: tokenizer, train and val sets; default:
+    the stdlib corpus or data.sources) and how a set becomes samples (`samples(name, shards,
+    is_train)`; default: packed seq_len windows, kiln/data/shards.py).
+    """
+    if sets is not None:
+        info, train, val = sets(cfg, Path(run_dir))
+    elif cfg.data.source == "stdlib":
         info, train, val = _stdlib_shards(cfg, Path(run_dir))
     else:
-        info, train, val = _prepared_shards(cfg, Path(run_dir))
+        info, train, val = prepared_shards(cfg, Path(run_dir))
     seq_len, batch = cfg.data.seq_len, cfg.train.micro_batch_size
     for name, shards in train + val:
         if shards.tokenizer_fingerprint != info.fingerprint:
@@ -47,12 +62,14 @@ def build_data(cfg: JobConfig, run_dir: Path, rank: int = 0, world_size: int = 1
     if info.vocab_size > cfg.model.vocab_size:
         raise KilnError(f"the tokenizer has {info.vocab_size} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}: token ids would fall outside the embedding")
-    train_samples = [PackedSamples(s, seq_len, _order(cfg, name)) for name, s in train]
-    val_samples = {name: PackedSamples(s, seq_len) for name, s in val}
-    for name, samples in [*zip([n for n, _ in train], train_samples), *val_samples.items()]:
-        if len(samples) == 0:
-            raise KilnError(f"data source {name!r} has {samples.shards.total_tokens} tokens: "
-                            f"not one sequence of data.seq_len={seq_len}")
+    samples = samples or (lambda name, s, is_train: PackedSamples(
+        s, seq_len, _order(cfg, name) if is_train else "shuffle"))
+    train_samples = [samples(name, s, True) for name, s in train]
+    val_samples = {name: samples(name, s, False) for name, s in val}
+    for name, found in [*zip([n for n, _ in train], train_samples), *val_samples.items()]:
+        if len(found) == 0:
+            raise KilnError(f"data source {name!r} ({found.shards.directory}) gives not one "
+                            f"sequence of data.seq_len={seq_len}")
     names = [name for name, _ in train]
     sampler = Sampler([len(s) for s in train_samples], _stages(cfg, names, world_size),
                       cfg.train.seed, batch, rank, world_size,
@@ -62,7 +79,7 @@ def build_data(cfg: JobConfig, run_dir: Path, rank: int = 0, world_size: int = 1
     val_sets = {name: fixed_batches(s, batch, cfg.train.eval_batches)
                 for name, s in val_samples.items()}
     return Data(info.tokenizer, loader, next(iter(val_sets.values())),
-                sum(s.total_tokens for _, s in train), val_sets, info)
+                sum(s.total_tokens for _, s in train), val_sets, info, val_samples)
 
 
 def _order(cfg: JobConfig, name: str) -> str:
@@ -86,7 +103,7 @@ def _stdlib_shards(cfg: JobConfig, run_dir: Path):
     return info, [("stdlib", out["train"])], [("stdlib", out["val"])]
 
 
-def _prepared_shards(cfg: JobConfig, run_dir: Path):
+def prepared_shards(cfg: JobConfig, run_dir: Path):
     dcfg = cfg.data
     train = [(s.name, _open(f"data.sources '{s.name}'", s.path, s.split)) for s in dcfg.sources]
     val = [(v.name, _open(f"data.val '{v.name}'", v.path, v.split)) for v in dcfg.val]

@@ -3,7 +3,9 @@
 A prepared directory holds, per split ("train", and "val" when a share is held out):
 `<split>-00000.bin` (the tokens, uint16 when the vocabulary fits, else uint32, each document
 followed by EOS), `<split>-00000.docs.npy` (the end offset of each document in that shard),
-optionally `<split>-00000.scores.npy` (a difficulty score per document), and `manifest.json`
+optionally `<split>-00000.scores.npy` (a difficulty score per document) and, for supervised
+fine-tuning (`kiln prepare --sft`, kiln/data/sft.py), `<split>-00000.mask.bin` (one uint8 per
+token: which tokens are trained on), and `manifest.json`
 (shards, counts, the tokenizer's fingerprint and a sha256 of each shard). Everything is written
 into a hidden staging directory that is renamed into place only when complete, so a crash never
 leaves something that looks finished; a rerun on unchanged inputs finds the manifest and does
@@ -20,7 +22,7 @@ import shutil
 import signal
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -120,7 +122,7 @@ def prepare(inputs: list[str], tokenizer: TokenizerInfo, out_dir: str | Path,
     if not files:
         raise KilnError(f"every input file is inside --out {out_dir}")
     key = {"inputs": [[f.url, f.size, f.stamp] for f in files],
-           **_key_options(tokenizer, options)}
+           **key_options(tokenizer, options)}
     stats = ReadStats()
     total_bytes = sum(f.size for f in files)
     bar = _progress(options.progress, total_bytes)
@@ -141,7 +143,7 @@ def prepare(inputs: list[str], tokenizer: TokenizerInfo, out_dir: str | Path,
         bar.close()
 
 
-def _key_options(tokenizer: TokenizerInfo, options: PrepareOptions) -> dict:
+def key_options(tokenizer: TokenizerInfo, options: PrepareOptions) -> dict:
     return {"tokenizer": tokenizer.fingerprint, "bos_id": tokenizer.bos_id,
             "eos_id": tokenizer.eos_id, "format": options.fmt, "text_field": options.text_field,
             "score_field": options.score_field, "skip_bad_records": options.skip_bad_records,
@@ -152,7 +154,7 @@ def prepare_texts(texts: list[str], source_fingerprint: str, tokenizer: Tokenize
                   out_dir: Path, options: PrepareOptions | None = None) -> PrepareResult:
     """Shards from documents already in memory (the stdlib corpus), keyed by their fingerprint."""
     options = options or PrepareOptions()
-    key = {"inputs": source_fingerprint, **_key_options(tokenizer, options)}
+    key = {"inputs": source_fingerprint, **key_options(tokenizer, options)}
     stats = ReadStats(documents=len(texts))
     return prepare_documents((Document(t) for t in texts), key, tokenizer, out_dir, options,
                              stats, sum(len(t) for t in texts), [IN_MEMORY])
@@ -162,6 +164,27 @@ def prepare_documents(documents: Iterable[Document], key: dict, tokenizer: Token
                       out_dir: str | Path, options: PrepareOptions, stats: ReadStats,
                       total_bytes: int, sources: list[str]) -> PrepareResult:
     """Shards of `documents` into out_dir, replacing only an earlier prepare of `sources`."""
+    def fill(writers: dict[str, _ShardWriter]) -> dict:
+        index = 0
+        for chunk, tokens in _tokenize(documents, tokenizer, options.workers, total_bytes):
+            for doc, ids in zip(chunk, tokens):
+                writers[split_of(index, options.val_fraction)].add(ids, doc.score)
+                index += 1
+        return {}
+
+    return write_shards(out_dir, key, tokenizer, options, stats, fill, sources=sources)
+
+
+def write_shards(out_dir: str | Path, key: dict, tokenizer: TokenizerInfo,
+                 options: PrepareOptions, stats: ReadStats,
+                 fill: Callable[[dict], dict], with_mask: bool = False,
+                 sources: list[str] | None = None) -> PrepareResult:
+    """The crash-safe frame of every prepare: a no-op when out_dir already holds `key`'s output;
+    else `fill(writers)` adds documents to the "train"/"val" shard writers (and returns extra
+    manifest fields) in a staging directory that is renamed into place once complete. out_dir
+    is refused unless it is new, empty or an earlier prepare of the same `sources`."""
+    if sources is None:
+        sources = key["inputs"] if isinstance(key["inputs"], list) else [IN_MEMORY]
     out_dir = _check_out_dir(out_dir, sources)
     key_hash = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     if _is_complete(out_dir, key_hash):
@@ -174,16 +197,12 @@ def prepare_documents(documents: Iterable[Document], key: dict, tokenizer: Token
         staging.mkdir()
         dtype = token_dtype(tokenizer.vocab_size)
         writers = {split: _ShardWriter(staging, split, dtype, options.shard_tokens,
-                                       options.score_field is not None)
+                                       options.score_field is not None, with_mask)
                    for split in ("train", "val")}
-        index = 0
-        for chunk, tokens in _tokenize(documents, tokenizer, options.workers, total_bytes):
-            for doc, ids in zip(chunk, tokens):
-                writers[_split(index, options.val_fraction)].add(ids, doc.score)
-                index += 1
-        if index == 0:
-            raise KilnError("the inputs hold no documents")
+        extra = fill(writers)
         splits = {split: w.finish() for split, w in writers.items()}
+        if not any(split["documents"] for split in splits.values()):
+            raise KilnError("the inputs hold no documents")
         manifest = {
             "format": FORMAT, "key": key_hash, "dtype": dtype.name,
             "tokenizer": {"fingerprint": tokenizer.fingerprint,
@@ -195,6 +214,7 @@ def prepare_documents(documents: Iterable[Document], key: dict, tokenizer: Token
             "inputs": key["inputs"] if isinstance(key["inputs"], list) else None,
             "bad_records": stats.bad_records,
             "invalid_utf8_bytes": stats.invalid_utf8_bytes,
+            **extra,
             "splits": splits,
         }
         save_tokenizer(tokenizer, staging)
@@ -256,7 +276,7 @@ def _written_by(manifest: dict) -> set[str]:
     names = {MANIFEST, "tokenizer.json", "tokenizer_config.json"}
     for split in manifest["splits"].values():
         for shard in split["shards"]:
-            names.update(shard[k] for k in ("file", "docs", "scores") if k in shard)
+            names.update(shard[k] for k in ("file", "docs", "scores", "mask") if k in shard)
     return names
 
 
@@ -276,8 +296,11 @@ def _is_complete(out_dir: Path, key_hash: str) -> bool:
     if manifest.get("key") != key_hash:
         return False
     itemsize = np.dtype(manifest["dtype"]).itemsize
-    return all((out_dir / s["file"]).is_file()
-               and (out_dir / s["file"]).stat().st_size == s["tokens"] * itemsize
+
+    def whole(name: str | None, size: int) -> bool:
+        return name is None or ((out_dir / name).is_file() and (out_dir / name).stat().st_size == size)
+
+    return all(whole(s["file"], s["tokens"] * itemsize) and whole(s.get("mask"), s["tokens"])
                for split in manifest["splits"].values() for s in split["shards"])
 
 
@@ -301,7 +324,7 @@ def _write_json(path: Path, value: dict) -> None:
     tmp.replace(path)
 
 
-def _split(index: int, val_fraction: float) -> str:
+def split_of(index: int, val_fraction: float) -> str:
     # A multiplicative hash of the document's position: stable, cheap, spread evenly.
     bucket = ((index + 1) * 0x9E3779B97F4A7C15 % (1 << 64)) / (1 << 64)
     return "val" if bucket < val_fraction else "train"
@@ -316,10 +339,13 @@ def _progress(enabled: bool, total: int):
 
 
 class _ShardWriter:
+    """One split's shards: tokens (.bin), document ends (.docs.npy), optionally scores and, for
+    supervised fine-tuning, a parallel uint8 loss mask per token (.mask.bin)."""
+
     def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int,
-                 with_scores: bool):
+                 with_scores: bool, with_mask: bool = False):
         self.directory, self.split, self.dtype = directory, split, dtype
-        self.shard_tokens, self.with_scores = shard_tokens, with_scores
+        self.shard_tokens, self.with_scores, self.with_mask = shard_tokens, with_scores, with_mask
         self.shards: list[dict] = []
         self._file = None
 
@@ -327,13 +353,20 @@ class _ShardWriter:
         self._name = f"{self.split}-{len(self.shards):05d}"
         self._file = open(self.directory / f"{self._name}.bin", "wb")
         self._hash, self._tokens, self._ends, self._scores = hashlib.sha256(), 0, [], []
+        if self.with_mask:
+            self._mask_file = open(self.directory / f"{self._name}.mask.bin", "wb")
+            self._mask_hash = hashlib.sha256()
 
-    def add(self, ids: np.ndarray, score: float | None) -> None:
+    def add(self, ids: np.ndarray, score: float | None = None, mask: np.ndarray | None = None) -> None:
         if self._file is None:
             self._open()
         data = ids.astype(self.dtype, copy=False).tobytes()
         self._file.write(data)
         self._hash.update(data)
+        if self.with_mask:
+            mask_data = mask.astype(np.uint8, copy=False).tobytes()
+            self._mask_file.write(mask_data)
+            self._mask_hash.update(mask_data)
         self._tokens += len(ids)
         self._ends.append(self._tokens)
         self._scores.append(score)
@@ -347,6 +380,9 @@ class _ShardWriter:
                  "documents": len(self._ends), "sha256": self._hash.hexdigest(),
                  "docs": f"{self._name}.docs.npy"}
         np.save(self.directory / entry["docs"], np.asarray(self._ends, dtype=np.int64))
+        if self.with_mask:
+            self._mask_file.close()
+            entry.update(mask=f"{self._name}.mask.bin", mask_sha256=self._mask_hash.hexdigest())
         if self.with_scores:
             entry["scores"] = f"{self._name}.scores.npy"
             np.save(self.directory / entry["scores"], np.asarray(self._scores, dtype=np.float32))

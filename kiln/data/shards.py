@@ -13,8 +13,11 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from kiln.data.batch import Batch
 from kiln.data.prepare import read_manifest
+from kiln.data.sampler import Stage
 from kiln.errors import KilnError
 
 
@@ -34,14 +37,20 @@ class ShardSet:
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.total_tokens = int(self.starts[-1])
         self._maps: dict[int, np.ndarray] = {}
+        self._masks: dict[int, np.ndarray] = {}
+        self.has_mask = all("mask" in s for s in self.shards)
+        """Prepared for supervised fine-tuning: a loss-mask byte per token."""
         for s in self.shards:
-            path = self.directory / s["file"]
-            expected = s["tokens"] * self.dtype.itemsize
-            size = path.stat().st_size if path.is_file() else None
-            if size != expected:
-                found = "is missing" if size is None else f"has {size} bytes"
-                raise KilnError(f"shard {path} {found}, but {self.directory / 'manifest.json'} "
-                                f"says {expected}: rerun kiln prepare")
+            for file, itemsize in ((s["file"], self.dtype.itemsize), (s.get("mask"), 1)):
+                if file is None:
+                    continue
+                path = self.directory / file
+                expected = s["tokens"] * itemsize
+                size = path.stat().st_size if path.is_file() else None
+                if size != expected:
+                    found = "is missing" if size is None else f"has {size} bytes"
+                    raise KilnError(f"shard {path} {found}, but {self.directory / 'manifest.json'} "
+                                    f"says {expected}: rerun kiln prepare")
 
     @property
     def tokenizer_fingerprint(self) -> str:
@@ -65,14 +74,20 @@ class ShardSet:
             self._maps[i] = data
         return self._maps[i]
 
-    def read(self, start: int, length: int) -> np.ndarray:
-        """stream[start : start + length], gathered across shard boundaries."""
-        out = np.empty(length, dtype=np.int64)
+    def mask_shard(self, i: int) -> np.ndarray:
+        if i not in self._masks:
+            self._masks[i] = np.memmap(self.directory / self.shards[i]["mask"], dtype=np.uint8,
+                                       mode="r", shape=(self.shards[i]["tokens"],))
+        return self._masks[i]
+
+    def read(self, start: int, length: int, mask: bool = False) -> np.ndarray:
+        """stream[start : start + length] (or its loss mask), gathered across shard boundaries."""
+        out = np.empty(length, dtype=np.uint8 if mask else np.int64)
         i = int(np.searchsorted(self.starts, start, side="right")) - 1
         done = 0
         while done < length:
             offset = start + done - int(self.starts[i])
-            piece = self.shard(i)[offset: offset + length - done]
+            piece = (self.mask_shard(i) if mask else self.shard(i))[offset: offset + length - done]
             out[done: done + len(piece)] = piece
             done += len(piece)
             i += 1
@@ -105,13 +120,16 @@ class ShardSet:
     def verify(self) -> None:
         """Recompute each shard's sha256 against the manifest (reads everything: slow, thorough)."""
         for s in self.shards:
-            digest = hashlib.sha256()
-            with open(self.directory / s["file"], "rb") as f:
-                while block := f.read(1 << 24):
-                    digest.update(block)
-            if digest.hexdigest() != s["sha256"]:
-                raise KilnError(f"shard {self.directory / s['file']} does not match the sha256 in "
-                                "its manifest: it was changed or damaged; rerun kiln prepare")
+            for file, expected in ((s["file"], s["sha256"]), (s.get("mask"), s.get("mask_sha256"))):
+                if file is None:
+                    continue
+                digest = hashlib.sha256()
+                with open(self.directory / file, "rb") as f:
+                    while block := f.read(1 << 24):
+                        digest.update(block)
+                if digest.hexdigest() != expected:
+                    raise KilnError(f"shard {self.directory / file} does not match the sha256 in "
+                                    "its manifest: it was changed or damaged; rerun kiln prepare")
 
 
 class PackedSamples:
@@ -129,6 +147,16 @@ class PackedSamples:
 
     def __len__(self) -> int:
         return self.n
+
+    def collate(self, rows: list[np.ndarray], stage: Stage | None = None) -> tuple[Batch, int]:
+        """Windows -> Batch(inputs, next-token targets) and its count of padding positions (none).
+        In a curriculum stage with a shorter seq_len, each (B, L) batch is cut into
+        (B * L / seq_len, seq_len): the same tokens per step, shorter sequences."""
+        batch = torch.from_numpy(np.stack(rows))
+        x, y = batch[:, :-1], batch[:, 1:]
+        if stage is not None and stage.seq_len is not None and stage.seq_len != x.shape[1]:
+            x, y = x.reshape(-1, stage.seq_len), y.reshape(-1, stage.seq_len)
+        return Batch(x.contiguous(), y.contiguous()), 0
 
     def sample(self, i: int) -> np.ndarray:
         start = i * self.seq_len

@@ -151,7 +151,7 @@ def detect_format(url: str, fmt: str) -> str:
     return "text"
 
 
-def _open(url: str, mode: str, storage_options: dict | None):
+def open_input(url: str, mode: str, storage_options: dict | None):
     """A file object; compressed files (.gz, .zst, ...) are decompressed on the fly."""
     kwargs = {"encoding": "utf-8", "errors": _ERRORS} if "t" in mode else {}
     if not is_url(url) and not any(url.endswith(s) for s in (".gz", ".bz2", ".xz", ".zst")):
@@ -173,7 +173,7 @@ def read_documents(file: InputFile, fmt: str = "auto", text_field: str = "text",
     replaced_before = _replaced_bytes
     try:
         if kind == "text":
-            with _open(file.url, "rt", storage_options) as f:
+            with open_input(file.url, "rt", storage_options) as f:
                 text = f.read()
             if not text.strip():
                 raise KilnError(f"input file {file.url} holds only whitespace")
@@ -196,7 +196,7 @@ def read_documents(file: InputFile, fmt: str = "auto", text_field: str = "text",
         stats.invalid_utf8_files.append(file.url)
 
 
-def _bad(stats: ReadStats, skip: bool, message: str) -> None:
+def bad_record(stats: ReadStats, skip: bool, message: str) -> None:
     if not skip:
         raise KilnError(message + " (pass --skip-bad-records to skip and count such records)")
     stats.bad_records += 1
@@ -204,31 +204,37 @@ def _bad(stats: ReadStats, skip: bool, message: str) -> None:
         stats.bad_examples.append(message)
 
 
-def _read_jsonl(url: str, text_field: str, score_field: str | None, skip: bool,
-                stats: ReadStats, storage_options: dict | None) -> Iterator[Document]:
-    with _open(url, "rt", storage_options) as f:
+def jsonl_records(url: str, skip: bool, stats: ReadStats,
+                  storage_options: dict | None) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of each non-blank line; a line that is not JSON stops with
+    its line and column (or is skipped and counted)."""
+    with open_input(url, "rt", storage_options) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
-                _bad(stats, skip, f"{url}, line {lineno}, column {e.colno}: not valid JSON ({e.msg})")
-                continue
-            if not isinstance(record, dict) or text_field not in record:
-                keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-                _bad(stats, skip, f"{url}, line {lineno}: no text field {text_field!r} "
-                                  f"(the record has: {keys}); choose it with --field")
-                continue
-            text = record[text_field]
-            if not isinstance(text, str):
-                _bad(stats, skip, f"{url}, line {lineno}: field {text_field!r} is a "
-                                  f"{type(text).__name__}, not a string")
-                continue
-            text = _without_lone_surrogates(text)
-            score = _score(record.get(score_field), url, f"line {lineno}", score_field)
-            stats.documents += 1
-            yield Document(text, score)
+                bad_record(stats, skip, f"{url}, line {lineno}, column {e.colno}: not valid JSON ({e.msg})")
+
+
+def _read_jsonl(url: str, text_field: str, score_field: str | None, skip: bool,
+                stats: ReadStats, storage_options: dict | None) -> Iterator[Document]:
+    for lineno, record in jsonl_records(url, skip, stats, storage_options):
+        if not isinstance(record, dict) or text_field not in record:
+            keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+            bad_record(stats, skip, f"{url}, line {lineno}: no text field {text_field!r} "
+                                    f"(the record has: {keys}); choose it with --field")
+            continue
+        text = record[text_field]
+        if not isinstance(text, str):
+            bad_record(stats, skip, f"{url}, line {lineno}: field {text_field!r} is a "
+                                    f"{type(text).__name__}, not a string")
+            continue
+        text = _without_lone_surrogates(text)
+        score = _score(record.get(score_field), url, f"line {lineno}", score_field)
+        stats.documents += 1
+        yield Document(text, score)
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads already joined the valid pairs
@@ -259,7 +265,7 @@ def _read_parquet(url: str, column: str, score_field: str | None, stats: ReadSta
         import pyarrow.parquet as pq
     except ImportError:
         raise KilnError(f"reading {url} needs pyarrow: pip install pyarrow") from None
-    with _open(url, "rb", storage_options) as f:
+    with open_input(url, "rb", storage_options) as f:
         try:
             parquet = pq.ParquetFile(f)
         except Exception as e:  # pyarrow raises ArrowInvalid for a file that is not Parquet

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -52,6 +52,9 @@ class TokenizerInfo:
     chat_template: str | None
     fingerprint: str
     """sha256 of the tokenizer's JSON: shards record it, so a mismatched tokenizer is refused."""
+    special_tokens: dict[str, str] = field(default_factory=dict)
+    """bos_token, eos_token, ... as strings: what a chat template sees (transformers passes the
+    same), whether or not BOS is added to documents."""
 
     @property
     def vocab_size(self) -> int:
@@ -123,8 +126,11 @@ def describe(tokenizer: Tokenizer, config: dict | None = None,
     bos = token("bos_token")
     add_bos = config.get("add_bos_token", bos is not None and bos != eos)
     bos_id = tokenizer.token_to_id(bos) if (bos and add_bos) else None
+    special = {name: value for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+               if isinstance(value := token(name), str)}
+    special["eos_token"] = eos
     return TokenizerInfo(tokenizer, eos_id, bos_id, config.get("chat_template"),
-                         fingerprint(tokenizer))
+                         fingerprint(tokenizer), special)
 
 
 def save_tokenizer(info: TokenizerInfo, directory: Path) -> None:
@@ -134,6 +140,8 @@ def save_tokenizer(info: TokenizerInfo, directory: Path) -> None:
               "add_bos_token": info.bos_id is not None}
     if info.bos_id is not None:
         config["bos_token"] = info.tokenizer.id_to_token(info.bos_id)
+    elif "bos_token" in info.special_tokens:  # templates may write it even when it is not added
+        config["bos_token"] = info.special_tokens["bos_token"]
     if info.chat_template:
         config["chat_template"] = info.chat_template
     tmp = directory / "tokenizer.json.tmp"

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from kiln.tasks.pretrain import Pretrain
+from kiln.tasks.sft import Sft
 
-TASKS = {"pretrain": Pretrain}
+TASKS = {"pretrain": Pretrain, "sft": Sft}
 
 
 def build_task(name: str):

@@ -100,7 +100,7 @@ def build(cfg: JobConfig, resume: str = "auto") -> Run:
     # The run's config records what runs; the metrics log records why.
     cfg = cfg.model_copy(update={"precision": cfg.precision.model_copy(update={"dtype": precision.dtype})})
 
-    task = build_task("pretrain")
+    task = build_task(cfg.task)
     dp_rank, dp_size = dp_rank_size(mesh)
     # Rank 0 prepares shared files (tokenizer, shards) first; the others then find them done.
     if rank == 0:

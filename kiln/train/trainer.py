@@ -195,6 +195,7 @@ class Trainer:
                              "tokens_per_s": tps, "mfu": tps * flops_tok / peak,
                              "peak_mem_mb": mem, "tokens": result.tokens,
                              **({"bad_steps": self.bad_steps} if self.guard is not None else {}),
+                             **run.data.train.window_stats(steps_in_window),
                              **rank_health(busy / steps_in_window, mem, run.device)})
                     window_start, window_tokens, busy = time.perf_counter(), 0, 0.0
                 with watchdog.paused():
@@ -305,6 +306,8 @@ class Trainer:
         run, tcfg = self.run, self.cfg.train
         if tcfg.sample_tokens == 0 or run.pipeline is not None:  # no sampling through stages
             return ""
+        if hasattr(run.task, "sample"):  # the task knows what to generate from (held-out prompts)
+            return run.task.sample(self.model, run)
         prompt = torch.tensor([run.data.tokenizer.encode(tcfg.sample_prompt).ids], device=run.device)
         self.model.eval()
         with run.amp:  # every rank samples the same (same seed): sharded forwards need them all
