@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from kiln import launch
 from kiln.config import load_config
-from kiln.errors import KilnError
+from kiln.errors import KilnError, Preempted
 from kiln.launch.process_group import env_rank_world, rank_label
 from kiln.urls import scrub_credentials
 
@@ -57,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("out", help="the directory to create")
     export.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     export.add_argument("--endpoint-url", help="an S3-compatible endpoint for s3:// sources")
+    export.add_argument("--merge", action="store_true",
+                        help="an adapter run: fold the adapter into its base and write the whole "
+                             "model (default: a PEFT adapter directory)")
+    adapters = commands.add_parser("adapters", help="list adapter runs and exported adapters")
+    adapters.add_argument("directory", help="a folder to search, e.g. runs/")
     imp = commands.add_parser("import-hf", help="a job config that trains from a Hugging Face model")
     imp.add_argument("directory", help="a directory with config.json and safetensors weights")
     imp.add_argument("--out", help="write the job YAML here instead of printing it")
@@ -209,8 +214,10 @@ def _hf_command(args: argparse.Namespace) -> None:
     from kiln.outputs import atomic_write, refuse_overwrite
 
     if args.command == "export-hf":
-        out = hf_export.export_hf(args.source, args.out, args.dtype, args.endpoint_url)
-        print(f"kiln: wrote a Hugging Face model ({args.dtype}) to {out}")
+        out = hf_export.export_hf(args.source, args.out, args.dtype, args.endpoint_url,
+                                  merge=args.merge)
+        what = "a PEFT adapter" if (out / "adapter_config.json").is_file() else "a Hugging Face model"
+        print(f"kiln: wrote {what} ({args.dtype}) to {out}")
         return
     if args.out:
         refuse_overwrite(args.out, args.force)
@@ -235,6 +242,11 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int | None:
         return
     if args.command in ("runs", "plot", "lineage", "eval"):
         _tracking_command(args)
+        return
+    if args.command == "adapters":
+        from kiln.peft.adapter import adapters_table
+
+        print(adapters_table(args.directory))
         return
     cfg = load_config(args.config, args.overrides)
     if cfg.model.init_from:  # the shape comes from the directory's config.json
@@ -299,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     except KilnError as e:
         print(f"kiln: error{rank_label()}: {scrub_credentials(e)}", file=sys.stderr)
         return 2
+    except Preempted as e:
+        print(f"kiln: stopped: {e}", file=sys.stderr)
+        return 75  # kiln.train.guards.EXIT_RESTART: "restart me"
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)
         return 130

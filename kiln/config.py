@@ -361,8 +361,10 @@ class CheckpointConfig(Section):
 
 class GuardsConfig(Section):
     """What keeps a long run alive (kiln/train/guards.py): bad steps, preemption, hangs."""
-    skip_bad_steps: bool = True
-    """Skip the optimizer step on a non-finite loss or gradient norm, or a loss spike."""
+    skip_bad_steps: bool = False
+    """Skip the optimizer step on a non-finite loss or gradient norm, or a loss spike (and roll
+    back after rollback_after in a row). It reads the loss and gradient norm every step: one
+    host-device sync per step, which a GPU pipeline pays for, so it is opt-in."""
     spike_k: float = Field(6.0, gt=0)
     """A loss more than this many standard deviations above the recent window is a spike."""
     spike_window: int = Field(100, ge=2)
@@ -426,6 +428,33 @@ class TrackingConfig(Section):
     """min: lower is better (losses); max: higher is better (accuracies)."""
 
 
+class PeftConfig(Section):
+    """The tuning method: which weights train. Applied by kiln.peft to the plain model before
+    it is parallelised; the base stays frozen and out of checkpoints for every method but full."""
+
+    method: Literal["full", "lora", "dora", "qlora"] = "full"
+    """full: every weight trains; lora: low-rank adapters on target_modules, the base frozen;
+    dora: LoRA plus a trained magnitude per output row (weight-decomposed LoRA); qlora: LoRA
+    over a base held in 4-bit NF4 (torchao), which saves the base's memory."""
+    rank: int = Field(16, gt=0)
+    """The adapters' rank r: A is (r x in), B is (out x r)."""
+    alpha: float = Field(32.0, gt=0)
+    """The adapters' output is scaled by alpha / rank (alpha / sqrt(rank) with rslora)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input during training (the base path sees none)."""
+    rslora: bool = False
+    """Rank-stabilised LoRA: scale by alpha / sqrt(rank), so higher ranks keep learning."""
+    target_modules: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = [
+        "q", "k", "v", "o", "gate", "up", "down"]
+    """Which linear layers of every block get an adapter (attention q/k/v/o, MLP gate/up/down)."""
+
+    @model_validator(mode="after")
+    def _check_targets(self) -> PeftConfig:
+        if not self.target_modules or len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError("peft.target_modules must name each layer at most once, at least one")
+        return self
+
+
 class JobConfig(Section):
     name: str = "run"
     """The run directory is <out_dir>/<name>."""
@@ -442,6 +471,7 @@ class JobConfig(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     guards: GuardsConfig = GuardsConfig()
     tracking: TrackingConfig = TrackingConfig()
+    peft: PeftConfig = PeftConfig()
 
     @model_validator(mode="after")
     def _check_job(self) -> JobConfig:

@@ -41,3 +41,9 @@ def full_disk_in(error: BaseException) -> OSError | None:
             return error
         error = error.__cause__ or error.__context__
     return None
+
+
+class Preempted(Exception):
+    """The run stopped at a step boundary on a signal (preemption, a time limit) with its
+    checkpoint committed; the CLI exits with kiln.train.guards.EXIT_RESTART (75) so that a
+    launcher restarts it, and the restarted run resumes from that checkpoint."""

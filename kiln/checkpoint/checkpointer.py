@@ -37,6 +37,9 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 JOB_FILE = "job.yaml"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# Copied from the run directory into each checkpoint; adapter.json: kiln.peft's record of the
+# tuning method and the base's fingerprint (an adapter run's checkpoints hold no base weights).
+RUN_FILES = (*TOKENIZER_FILES, "adapter.json")
 # Changing these makes weights or optimizer state unusable; everything else may change on resume.
 SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
               "intermediate_size", "qkv_bias", "qk_norm", "tie_embeddings")
@@ -44,7 +47,6 @@ SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_di
 
 # Optimizer state and hyperparameters keyed by parameter name, not by param-group index: a
 # layout groups parameters by the mesh they live on, so another layout has other groups.
-STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @dataclass
@@ -61,6 +63,8 @@ class Resumed:
     source: str
     changes: dict
     """Config fields that differ from the checkpoint's: {'optim.lr': [old, new], ...}."""
+    files: dict[str, str]
+    """The run files saved with the checkpoint (RUN_FILES), by name."""
 
 
 def rng_state() -> dict:
@@ -146,7 +150,7 @@ class Checkpointer:
         if self.rank == 0:
             url = self.storage.prepare(step)
             self.storage.write_text(step, JOB_FILE, self.cfg.to_yaml())
-            for name in TOKENIZER_FILES:
+            for name in RUN_FILES:
                 if (self.run_dir / name).is_file():
                     self.storage.write_text(step, name, (self.run_dir / name).read_text())
         else:
@@ -229,7 +233,8 @@ class Checkpointer:
         storage = self.storage if root == self.storage.root else Storage(root, self.ccfg.endpoint_url)
         progress = self._load(committed, storage)
         changes = self._config_changes(storage, committed.step)
-        return Resumed(progress, redact(committed.url), changes)
+        files = {n: t for n in RUN_FILES if (t := storage.read_text(committed.step, n)) is not None}
+        return Resumed(progress, redact(committed.url), changes, files)
 
     def _choose(self, resume: str) -> tuple[Committed | None, Storage]:
         if resume == "none":
@@ -266,7 +271,9 @@ class Checkpointer:
         return None, storage
 
     def _state(self, progress: Progress, rank_key: str, with_cuda: bool = True) -> dict:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
+        # Frozen parameters (an adapter run's base) are not saved: they come from the base.
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=StateDictOptions(
+            flatten_optimizer_state_dict=True, ignore_frozen_params=True))
         rng = rng_state()
         if not with_cuda:
             rng.pop("cuda", None)
@@ -289,8 +296,11 @@ class Checkpointer:
         state = self._state(Progress(), rank_key, with_cuda=f"{rank_key}.rng.cuda" in saved)
         dcp.load(state, storage_reader=reader_for(committed.url, storage.options),
                  process_group=self.group, no_dist=self.group is None)
+        frozen = bool(_frozen(self.model))  # absent from the checkpoint: not strict about them
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=STATE_OPTIONS)
+                       optim_state_dict=state["optim"], options=StateDictOptions(
+                           flatten_optimizer_state_dict=True, ignore_frozen_params=True,
+                           strict=not frozen))
         train = state["train"]
         for group, h in zip(self.optimizer.param_groups, hyper):
             group.update(h)
@@ -302,7 +312,8 @@ class Checkpointer:
         return Progress(train["step"], train["tokens"], train["elapsed"])
 
     def _check_shapes(self, committed: Committed, saved: dict) -> None:
-        ours = {f"model.{k}": tuple(v.shape) for k, v in self.model.state_dict().items()}
+        frozen = _frozen(self.model)
+        ours = {f"model.{k}": tuple(v.shape) for k, v in self.model.state_dict().items() if k not in frozen}
         problems = []
         for key, shape in ours.items():
             meta = saved.get(key)
@@ -329,6 +340,11 @@ class Checkpointer:
         old, new = _flatten(yaml.safe_load(text)), _flatten(self.cfg.model_dump(mode="json", by_alias=True))
         return {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new))
                 if old.get(k) != new.get(k)}
+
+
+def _frozen(model: nn.Module) -> set[str]:
+    """Names of the parameters that do not train (tied ones under each of their names)."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
 def _flatten(tree, prefix: str = "") -> dict:

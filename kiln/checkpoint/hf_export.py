@@ -18,7 +18,7 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from kiln.checkpoint.checkpointer import JOB_FILE, TOKENIZER_FILES, find_checkpoint, reader_for
+from kiln.checkpoint.checkpointer import JOB_FILE, RUN_FILES, find_checkpoint, reader_for
 from kiln.checkpoint.hf_import import shape_problems, unreadable
 from kiln.urls import is_url, redact
 from kiln.config import JobConfig, ModelConfig
@@ -33,13 +33,15 @@ class ModelSource:
 
     model_cfg: ModelConfig
     weights: dict
-    """Our full state dict, fp32."""
+    """Our full state dict, fp32; an adapter run's: its adapter alone (kiln.peft)."""
     files: dict[str, str]
-    """Tokenizer files by name."""
+    """Tokenizer files (and an adapter run's adapter.json) by name."""
     step: int | None
     """The checkpoint's step; None for a run's final weights without a checkpoint."""
     run_dir: Path | None
     """The local run directory it belongs to, when there is one."""
+    job: JobConfig
+    """The whole job: its tuning method says whether the weights are a model or an adapter."""
 
 
 DTYPES = {"bf16": (torch.bfloat16, "bfloat16"), "fp32": (torch.float32, "float32")}
@@ -47,30 +49,46 @@ SHARD_BYTES = 4 * 2**30
 
 
 def export_hf(source: str, out: str | Path, dtype: str = "bf16", endpoint_url: str | None = None,
-              shard_bytes: int = SHARD_BYTES) -> Path:
-    """Write the model of a run, a checkpoint root or one checkpoint to `out` in HF format."""
+              shard_bytes: int = SHARD_BYTES, merge: bool = False) -> Path:
+    """Write the model of a run, a checkpoint root or one checkpoint to `out` in HF format.
+
+    An adapter run (peft.method lora/dora/qlora) is written as a PEFT adapter directory, or
+    with merge as the whole model with the adapter folded into its base (kiln.peft.export).
+    """
     if dtype not in DTYPES:
         raise KilnError(f"export dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     out = check_output_dir(out, "the output directory")
     if out.exists() and any(out.iterdir()):
         raise KilnError(f"{out} already exists and is not empty; choose a new output directory")
     found = read_model(str(source), endpoint_url)
-    model_cfg, weights, files = found.model_cfg, found.weights, found.files
+    model_cfg, weights, files, cfg = found.model_cfg, found.weights, found.files, found.job
     torch_dtype, dtype_name = DTYPES[dtype]
-    state = {n: t.to(torch_dtype).contiguous()
-             for n, t in to_hf_state_dict(weights, model_cfg.tie_embeddings).items()}
+    adapter = cfg.peft.method != "full"
+    if merge and not adapter:
+        raise KilnError(f"--merge: {redact(str(source))} is a full fine-tuning run (peft.method "
+                        "full), with no adapter to merge; export it without --merge")
+    if adapter:
+        from kiln.peft import export as peft_export
+
+        if merge:
+            weights = peft_export.merged_weights(cfg, weights, files, redact(str(source)))
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         eos_id, bos_id = _write_tokenizer(tmp, files, model_cfg)
-        _write_shards(tmp, state, shard_bytes)
-        hf = hf_config_from_model(model_cfg, dtype_name, eos_id, bos_id)
-        hf["dtype"] = dtype_name
-        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-        generation = {"_from_model_config": False, "bos_token_id": bos_id, "eos_token_id": eos_id}
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if adapter and not merge:
+            peft_export.write_adapter(tmp, cfg, weights, files, torch_dtype, redact(str(source)))
+        else:
+            state = {n: t.to(torch_dtype).contiguous()
+                     for n, t in to_hf_state_dict(weights, model_cfg.tie_embeddings).items()}
+            _write_shards(tmp, state, shard_bytes)
+            hf = hf_config_from_model(model_cfg, dtype_name, eos_id, bos_id)
+            hf["dtype"] = dtype_name
+            (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+            generation = {"_from_model_config": False, "bos_token_id": bos_id, "eos_token_id": eos_id}
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         write_lineage(tmp, record_export(out, found.run_dir, str(source), found.step, dtype))
         if out.exists():
             out.rmdir()
@@ -102,14 +120,14 @@ def read_model(source: str, endpoint_url: str | None = None) -> ModelSource:
             weights_file = Path(source) / "model.safetensors"
             if not weights_file.is_file():
                 raise KilnError(f"{source} has no committed checkpoint and no model.safetensors")
-            files = {n: _text(Path(source) / n) for n in TOKENIZER_FILES
+            files = {n: _text(Path(source) / n) for n in RUN_FILES
                      if (Path(source) / n).is_file()}
             try:
                 weights = load_file(weights_file)
             except (SafetensorError, OSError) as e:
                 raise unreadable(weights_file, e) from None
-            _check_weights(cfg.model, weights, str(weights_file), str(run_config))
-            return ModelSource(cfg.model, weights, files, None, run_dir)
+            _check_weights(cfg, weights, str(weights_file), str(run_config))
+            return ModelSource(cfg.model, weights, files, None, run_dir, cfg)
     else:
         found = find_checkpoint(source, endpoint_url)
         if found is None:
@@ -124,25 +142,29 @@ def read_model(source: str, endpoint_url: str | None = None) -> ModelSource:
     if text is None:
         raise KilnError(f"checkpoint {redact(committed.url)} has no {JOB_FILE}: cannot tell its model shape")
     job_where = f"{redact(committed.url)}/{JOB_FILE}"
-    model_cfg = read_job(text, job_where).model
+    cfg = read_job(text, job_where)
     storage.verify(committed)  # a damaged file is named here, not met as a torch error later
-    files = {n: t for n in TOKENIZER_FILES if (t := storage.read_text(committed.step, n)) is not None}
+    files = {n: t for n in RUN_FILES if (t := storage.read_text(committed.step, n)) is not None}
     reader = reader_for(committed.url, storage.options)
     meta = reader.read_metadata().state_dict_metadata
     weights = {k[len("model."):]: torch.empty(m.size, dtype=m.properties.dtype)
                for k, m in meta.items() if k.startswith("model.")}
-    _check_weights(model_cfg, weights, redact(committed.url), job_where)
+    _check_weights(cfg, weights, redact(committed.url), job_where)
     state = {"model": weights}
     dcp.load(state, storage_reader=reader_for(committed.url, storage.options), no_dist=True)
-    return ModelSource(model_cfg, state["model"], files, committed.step, run_dir)
+    return ModelSource(cfg.model, state["model"], files, committed.step, run_dir, cfg)
 
 
-def _check_weights(model_cfg: ModelConfig, weights: dict, where: str, config_where: str) -> None:
-    """KilnError unless the weights are exactly what model_cfg builds: names and shapes."""
+def _check_weights(cfg: JobConfig, weights: dict, where: str, config_where: str) -> None:
+    """KilnError unless the weights are exactly what cfg builds and trains: names and shapes
+    (an adapter run's: its adapter's)."""
     from kiln.models.transformer import Transformer
+    from kiln.peft import apply_tuning
 
     with torch.device("meta"):
-        expected = {n: tuple(t.shape) for n, t in Transformer(model_cfg).state_dict().items()}
+        model = apply_tuning(Transformer(cfg.model), cfg)
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items() if n not in frozen}
     problems = shape_problems(expected, {n: tuple(t.shape) for n, t in weights.items()})
     if problems:
         raise KilnError(f"the weights in {where} do not fit the model {config_where} describes "

@@ -18,6 +18,7 @@ from kiln.config import JobConfig, ModelConfig
 from kiln.errors import KilnError
 from kiln.models.hf import from_hf_state_dict, model_config_from_hf, to_hf_name
 from kiln.parallel.dtensor import copy_full_into
+from kiln.peft.lora import is_adapter_name
 
 INDEX = "model.safetensors.index.json"
 
@@ -145,7 +146,8 @@ def load_hf_weights(model: nn.Module, directory: str | Path) -> None:
 
     with torch.device("meta"):  # a pipeline stage holds part of the model: check the whole
         whole = dict(Transformer(model.cfg).named_parameters())
-    expected = dict(model.named_parameters())
+    # An adapter's own parameters (kiln.peft) are not in a base model's files.
+    expected = {n: p for n, p in model.named_parameters() if not is_adapter_name(n)}
     check_fit({n: tuple(p.shape) for n, p in whole.items()},
               {n: tuple(t.shape) for n, t in ours.items() if not (tie and n == "lm_head.weight")},
               directory)

@@ -46,8 +46,13 @@ def load_for_eval(target: str, device: str = "cpu", endpoint_url: str | None = N
         raise KilnError(f"{target} has no tokenizer.json: cannot turn task text into tokens")
     config = json.loads(found.files.get("tokenizer_config.json", "{}"))
     tokenizer = describe(Tokenizer.from_str(found.files["tokenizer.json"]), config, target)
+    weights = found.weights
+    if found.job.peft.method != "full":  # an adapter run: its base with the adapter folded in
+        from kiln.peft.export import merged_weights
+
+        weights = merged_weights(found.job, weights, found.files, target)
     model = Transformer(found.model_cfg)
-    model.load_state_dict({k: v.float() for k, v in found.weights.items()})
+    model.load_state_dict({k: v.float() for k, v in weights.items()})
     step = found.step
     if step is None and found.run_dir is not None:
         steps = [r["step"] for r in read_metrics(found.run_dir) if isinstance(r.get("step"), int)]

@@ -23,6 +23,7 @@ from kiln.errors import KilnError
 from kiln.models.transformer import Transformer
 from kiln.parallel import parallelize
 from kiln.parallel.pipeline import Pipeline, StageSpec, build_pipeline
+from kiln.peft import apply_tuning, check_layout, finalize_tuning, record_run, trainable_parameters
 from kiln.parallel.mesh import Layout, build_mesh, device_for_rank, dp_rank_size, rank_world, resolve_layout
 from kiln.tasks import build_task
 from kiln.train.device import resolve_device
@@ -75,6 +76,7 @@ def build(cfg: JobConfig, resume: str = "auto") -> Run:
     rank, world = rank_world()
     device_type = resolve_device(tcfg.device).type
     layout = resolve_layout(cfg.parallel, world, cfg.model, cfg.data.seq_len, device_type)
+    check_layout(cfg, world)
     device = device_for_rank(device_type) if world > 1 else resolve_device(tcfg.device)
     torch.set_num_threads(tcfg.num_threads or max(1, (os.cpu_count() or 1) // _local_world()))
     seed_everything(tcfg.seed)
@@ -121,6 +123,8 @@ def build(cfg: JobConfig, resume: str = "auto") -> Run:
     schedule = LRSchedule(optimizer, cfg.optim.lr, cfg.schedule, plan.total_steps or 1)
     checkpointer = Checkpointer(cfg, run_dir, model, optimizer, schedule, data.train)
     resumed = checkpointer.restore(resume)
+    record_run(cfg, run_dir, trainable_parameters(model), task.name, resumed and resumed.files,
+               resumed and resumed.source, write=rank == 0)
     if rank == 0:  # written once the run is known to start
         (run_dir / "config.yaml.tmp").write_text(cfg.to_yaml())
         (run_dir / "config.yaml.tmp").replace(run_dir / "config.yaml")
@@ -155,12 +159,14 @@ def build_model(cfg: JobConfig, mesh, device: torch.device, hardware=None,
         shard = mesh is not None and mesh["dp_shard"].size() > 1
         convert_to_float8(model, cfg.precision, hardware or detect_hardware(device),
                           fsdp_float8_all_gather=cfg.precision.fp8_recipe == "tensorwise" and shard)
+    apply_tuning(model, cfg)
     parallelize(model, mesh, cfg)
     model.to_empty(device=device)
     model.tie_weights()
     model.init_weights(cfg.train.seed)
     if cfg.model.init_from:
         load_hf_weights(model, cfg.model.init_from)
+    finalize_tuning(model, cfg)
     return model
 
 

@@ -19,11 +19,12 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     groups = []
     for params, decay_rate in ((decay, weight_decay), (no_decay, 0.0)):
         # One group per mesh (plain tensors, tensor-parallel blocks, FSDP-only parts): a
-        # foreach kernel takes tensors of one kind. Checkpoints map state by name, not group.
+        # foreach kernel takes tensors of one kind. Checkpoints map state by name, not group;
+        # no empty groups (a flattened optimizer state cannot name one).
         by_mesh: dict = {}
         for p in params:
             by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
-        groups += [{"params": ps, "weight_decay": decay_rate} for ps in by_mesh.values() or [[]]]
+        groups += [{"params": ps, "weight_decay": decay_rate} for ps in by_mesh.values()]
     return groups
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -22,7 +23,9 @@ from kiln.parallel.health import rank_health
 from kiln.parallel.mesh import dp_group
 from kiln.eval.tasks import run_tasks
 from kiln.parallel.pipeline import gather_stages
+from kiln.errors import Preempted
 from kiln.tracking import Trackers
+from kiln.train.guards import Action, HangWatchdog, PreemptionFlag, StepGuard
 from kiln.train.build import Run, build
 from kiln.train.metrics import MetricsLog, peak_memory_mb, resolve_peak
 
@@ -52,6 +55,9 @@ class Trainer:
         self.run = run
         self.cfg, self.model, self.optimizer = run.cfg, run.model, run.optimizer
         self.dp_group = dp_group(run.mesh)
+        # guards.skip_bad_steps: each step's loss and gradient norm are checked before the update.
+        self.guard = StepGuard.from_config(self.cfg.guards) if self.cfg.guards.skip_bad_steps else None
+        self.action, self.bad_steps, self.step = Action.APPLY, 0, 0
         self.pp_group = run.pipeline.group if run.pipeline is not None else None
 
     # -- one step ------------------------------------------------------------------------------
@@ -64,6 +70,8 @@ class Trainer:
         return forward_backward(self.model, self.run.task.loss_sum, batches, self.run.amp, self.dp_group)
 
     def train_step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.guard is not None:
+            return self._guarded_step(batches)
         if self.run.pipeline is None:
             return train_step(self.model, self.optimizer, self.run.task.loss_sum, batches,
                               self.run.amp, self.cfg.optim.grad_clip, self.dp_group, self.run.scaler)
@@ -74,6 +82,52 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm
+
+    def _guarded_step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step, with its global loss and gradient norm read before the update: a
+        non-finite value or a spike skips the update (guards.skip_bad_steps)."""
+        loss = self.forward_backward(batches)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.run.scaler is not None:
+            self.run.scaler.unscale_(self.optimizer)
+        grad_norm = clip_grad_norm(params, self.cfg.optim.grad_clip, self.pp_group)
+        total = loss.detach().clone()
+        for group in (self.dp_group, self.pp_group):
+            if group is not None:
+                dist.all_reduce(total, group=group)
+        self.action = self.guard.check(self.step + 1, total.item(), grad_norm.item(),
+                                       self.run.data.train.state_dict())
+        if self.action == Action.APPLY:
+            if self.run.scaler is not None:
+                self.run.scaler.step(self.optimizer)
+                self.run.scaler.update()
+            else:
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm
+
+    def _stop_requested(self, flag: PreemptionFlag) -> bool:
+        """All ranks agree at this step boundary: one CPU all-reduce on the checkpointer's gloo
+        group, so a GPU is never waited for."""
+        group = self.run.checkpointer.group
+        if group is None:
+            return flag.requested
+        t = torch.tensor([int(flag.requested)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return bool(t.item())
+
+    def _rollback(self, log) -> Progress | None:
+        """Back to the newest committed checkpoint after a streak of bad steps; the replay
+        reads the batches that caused them but does not train on them."""
+        ckpt = self.run.checkpointer
+        ckpt.wait()
+        resumed = ckpt.restore("auto")
+        if resumed is None:
+            return None
+        skipped = self.guard.rolled_back(resumed.progress.step)
+        log.log({"step": self.step, "rolled_back_to": resumed.progress.step,
+                 "skipping_steps": sorted(skipped)})
+        return resumed.progress
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -96,39 +150,69 @@ class Trainer:
         start = window_start = time.perf_counter()
         window_tokens = 0
         busy = 0.0  # this rank's own seconds in the window's steps (per-rank health)
-        while not done:
-            step_start = time.perf_counter()
-            batches = [next(run.data.train).to(run.device, non_blocking=True)
-                       for _ in range(run.plan.grad_accum_steps)]
-            lr = run.schedule.lr
-            pending.append(self.train_step(batches))
-            busy += time.perf_counter() - step_start
-            run.schedule.step()
-            step += 1
-            log.advance(1)
-            result.tokens += run.plan.tokens_per_step
-            window_tokens += run.plan.tokens_per_step
-            elapsed = progress.elapsed + time.perf_counter() - start
-            done = budget_spent(tcfg, step, result.tokens, elapsed)
-            if step % tcfg.log_interval == 0 or done:
-                steps_in_window = len(pending)
-                losses, grad_norms = self._read(pending)
-                pending.clear()
-                result.losses += losses
-                now = time.perf_counter()
-                tps = window_tokens / (now - window_start)
-                result.tokens_per_s.append(tps)
-                log.advance(0, losses[-1])
-                mem = peak_memory_mb(run.device)
-                log.log({"step": step, "loss": losses[-1], "lr": lr, "grad_norm": grad_norms[-1],
-                         "tokens_per_s": tps, "mfu": tps * flops_tok / peak,
-                         "peak_mem_mb": mem, "tokens": result.tokens,
-                         **rank_health(busy / steps_in_window, mem, run.device)})
-                window_start, window_tokens, busy = time.perf_counter(), 0, 0.0
-            if step % tcfg.eval_interval == 0 or done:
-                self._evaluate(step, log, result)
-                window_start = time.perf_counter()  # evaluation time is not training throughput
-            run.checkpointer.maybe_save(Progress(step, result.tokens, elapsed), final=done)
+        flag = PreemptionFlag.from_config(cfg.guards)
+        watchdog = HangWatchdog.from_config(cfg.guards)
+        if threading.current_thread() is threading.main_thread():  # signals need the main thread
+            flag.install()
+            watchdog.start()
+        try:
+            while not done:
+                step_start = time.perf_counter()
+                self.step = step
+                batches = [next(run.data.train).to(run.device, non_blocking=True)
+                           for _ in range(run.plan.grad_accum_steps)]
+                lr = run.schedule.lr
+                if self.guard is not None and self.guard.skip_batch(step + 1):
+                    self.action = Action.SKIP  # a batch that caused a rollback: read, not trained on
+                else:
+                    pending.append(self.train_step(batches))
+                if self.action == Action.ROLLBACK and (restored := self._rollback(log)):
+                    step, result.tokens = restored.step, restored.tokens
+                    pending.clear()
+                    continue
+                self.bad_steps += self.action != Action.APPLY
+                self.action = Action.APPLY
+                busy += time.perf_counter() - step_start
+                watchdog.beat()
+                run.schedule.step()
+                step += 1
+                log.advance(1)
+                result.tokens += run.plan.tokens_per_step
+                window_tokens += run.plan.tokens_per_step
+                elapsed = progress.elapsed + time.perf_counter() - start
+                done = budget_spent(tcfg, step, result.tokens, elapsed)
+                if (step % tcfg.log_interval == 0 or done) and pending:
+                    steps_in_window = len(pending)
+                    losses, grad_norms = self._read(pending)
+                    pending.clear()
+                    result.losses += losses
+                    now = time.perf_counter()
+                    tps = window_tokens / (now - window_start)
+                    result.tokens_per_s.append(tps)
+                    log.advance(0, losses[-1])
+                    mem = peak_memory_mb(run.device)
+                    log.log({"step": step, "loss": losses[-1], "lr": lr, "grad_norm": grad_norms[-1],
+                             "tokens_per_s": tps, "mfu": tps * flops_tok / peak,
+                             "peak_mem_mb": mem, "tokens": result.tokens,
+                             **({"bad_steps": self.bad_steps} if self.guard is not None else {}),
+                             **rank_health(busy / steps_in_window, mem, run.device)})
+                    window_start, window_tokens, busy = time.perf_counter(), 0, 0.0
+                with watchdog.paused():
+                    if step % tcfg.eval_interval == 0 or done:
+                        self._evaluate(step, log, result)
+                        window_start = time.perf_counter()  # evaluation is not training throughput
+                    preempted = self._stop_requested(flag)
+                    run.checkpointer.maybe_save(Progress(step, result.tokens, elapsed),
+                                                final=done or preempted)
+                if preempted:
+                    run.checkpointer.close()  # committed before the process goes
+                    log.log({"step": step, "preempted": flag.signal_name or "flag"})
+                    log.close()
+                    raise Preempted(f"{flag.signal_name or 'a stop request'}: checkpoint of step "
+                                    f"{step} committed; the run resumes from it (--resume auto)")
+        finally:
+            watchdog.stop()
+            flag.uninstall()
 
         run.checkpointer.close()  # the last save, if it runs in the background, is waited for
         result.steps, result.peak_mem_mb = step, peak_memory_mb(run.device)
@@ -200,12 +284,13 @@ class Trainer:
         log.log(record)
 
     def _save_weights(self) -> None:
-        # Every rank takes part in gathering the full weights; rank 0 writes them.
+        # Every rank takes part in gathering the full weights; rank 0 writes them. Frozen
+        # weights (an adapter run's base) are left out: the run never copies its base.
         # With cpu_offload only global rank 0 receives the tensors; pipeline stages other than
         # rank 0's must receive theirs to hand them on, so they gather on the device.
         stages = self.pp_group is not None
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
-                                                                          cpu_offload=not stages))
+        state = get_model_state_dict(self.model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=not stages, ignore_frozen_params=True))
         if stages:  # each stage has its own layers: rank 0 gathers them
             state = gather_stages({k: v.cpu() for k, v in state.items()}, self.run.mesh)
         if not self.run.is_main:
