@@ -191,8 +191,15 @@ class MoE(nn.Module):
         out, counts = self._dispatch(h, experts, weights)
         if self.shared is not None:
             out = out + self.shared(h)
-        if self.training and torch.is_grad_enabled() and not _in_backward():
-            self._record(logits, scores, counts)
+        if self.training and torch.is_grad_enabled():
+            # The same ops when activation checkpointing recomputes this forward (it checks that
+            # the same tensors are saved), but only the first forward keeps and counts them.
+            stats = self._stats(logits, scores, counts)
+            if not _in_backward():
+                self.stats = stats
+                with torch.no_grad():
+                    self.load_window += stats.counts
+                    self.load_step += stats.counts
         return out.view(shape)
 
     def _dispatch(self, h: torch.Tensor, experts: torch.Tensor,
@@ -207,16 +214,12 @@ class MoE(nn.Module):
         y = self.experts(h[token], counts) * weights.flatten()[order].unsqueeze(1)
         return torch.zeros_like(h).index_add_(0, token, y.to(h.dtype)), counts
 
-    def _record(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> None:
+    def _stats(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> RoutingStats:
         # Probabilities for the balance loss: the softmax itself, or the sigmoid scores
         # normalised per token (DeepSeek-V3's complementary balance loss).
         probs = scores if self.cfg.gating == "softmax" else scores / scores.sum(-1, keepdim=True)
-        counts = counts.float()
-        self.stats = RoutingStats(counts, probs.sum(0), torch.logsumexp(logits, -1).square().sum(),
-                                  logits.shape[0])
-        with torch.no_grad():
-            self.load_window += counts
-            self.load_step += counts
+        return RoutingStats(counts.float(), probs.sum(0),
+                            torch.logsumexp(logits, -1).square().sum(), logits.shape[0])
 
 
 def moe_layers(model: nn.Module) -> dict[str, MoE]:
