@@ -19,7 +19,7 @@ from kiln.checkpoint.checkpointer import JOB_FILE, TOKENIZER_FILES, find_checkpo
 from kiln.urls import is_url, redact
 from kiln.config import JobConfig, ModelConfig
 from kiln.errors import KilnError
-from kiln.models.hf import hf_config_from_model, to_hf_state_dict
+from kiln.models.hf import hf_config_from_model, hf_model_type, to_hf_state_dict
 
 DTYPES = {"bf16": (torch.bfloat16, "bfloat16"), "fp32": (torch.float32, "float32")}
 SHARD_BYTES = 4 * 2**30
@@ -35,8 +35,9 @@ def export_hf(source: str, out: str | Path, dtype: str = "bf16", endpoint_url: s
         raise KilnError(f"{out} already exists and is not empty; choose a new output directory")
     model_cfg, weights, files = _read_source(str(source), endpoint_url)
     torch_dtype, dtype_name = DTYPES[dtype]
+    model_type = hf_model_type(model_cfg)  # before any work: KilnError for shapes HF lacks
     state = {n: t.to(torch_dtype).contiguous()
-             for n, t in to_hf_state_dict(weights, model_cfg.tie_embeddings).items()}
+             for n, t in to_hf_state_dict(weights, model_cfg.tie_embeddings, model_type).items()}
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
