@@ -34,6 +34,11 @@ FAMILIES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)  # see tests/test_moe.py: 2 threads crawl on a loaded machine
+
+
 def hf_directory(family: str, path) -> transformers.PreTrainedModel:
     config_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
@@ -113,7 +118,7 @@ def test_weight_names_round_trip_with_stacking(family, tmp_path):
 def test_export_hf_of_a_moe_run_loads_in_transformers_with_same_logits(family, moe, tmp_path):
     cfg = tiny_job(tmp_path, model={"qk_norm": family == "qwen3_moe", "moe": moe},
                    train={"max_steps": 3, "micro_batch_size": 4, "sample_tokens": 0,
-                          "eval_interval": 1000},
+                          "eval_interval": 1000, "num_threads": 1},
                    data={"seq_len": 16, "max_bytes": 150_000}, checkpoint={"interval": None})
     train(cfg)
     out = tmp_path / "export"
