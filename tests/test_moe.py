@@ -90,12 +90,12 @@ def test_aux_free_bias_moves_load_toward_balance():
 
     def imbalance(steps: int) -> float:
         """max / mean tokens per expert over `steps` forwards, each followed by a bias update."""
-        total = torch.zeros(4)
+        total = torch.zeros(4, dtype=torch.int64)
         for _ in range(steps):
             block(x)
             total += block.load_step
             update_expert_biases(block)
-        return (total.max() / total.mean()).item()
+        return (total.max() / total.float().mean()).item()
 
     block.expert_bias.zero_()
     assert imbalance(1) == pytest.approx(2.0)

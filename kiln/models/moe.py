@@ -161,9 +161,10 @@ class MoE(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(m.n_experts))
         else:
             self.expert_bias = None
-        # Tokens per expert since the metrics last read them / since the last bias update.
-        self.register_buffer("load_window", torch.zeros(m.n_experts), persistent=False)
-        self.register_buffer("load_step", torch.zeros(m.n_experts), persistent=False)
+        # Tokens per expert since the metrics last read them / since the last bias update
+        # (integers: exact however long, and left alone by a cast of the model's dtype).
+        self.register_buffer("load_window", torch.zeros(m.n_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("load_step", torch.zeros(m.n_experts, dtype=torch.int64), persistent=False)
         self.stats: RoutingStats | None = None
 
     @torch.no_grad()
@@ -198,8 +199,8 @@ class MoE(nn.Module):
             if not _in_backward():
                 self.stats = stats
                 with torch.no_grad():
-                    self.load_window += stats.counts
-                    self.load_step += stats.counts
+                    self.load_window += counts
+                    self.load_step += counts
         return out.view(shape)
 
     def _dispatch(self, h: torch.Tensor, experts: torch.Tensor,
@@ -254,6 +255,7 @@ def update_expert_biases(model: nn.Module, group: dist.ProcessGroup | None = Non
     loads = torch.stack([m.load_step for m in layers])
     if group is not None:
         dist.all_reduce(loads, group=group)
+    loads = loads.float()
     for m, load in zip(layers, loads):
         m.expert_bias += m.cfg.bias_update_rate * torch.sign(load.mean() - load)
         m.load_step.zero_()

@@ -73,6 +73,7 @@ def moe_metrics(model: nn.Module, group: dist.ProcessGroup | None = None) -> dic
     loads = torch.stack([m.load_window for m in layers.values()])
     if group is not None:
         dist.all_reduce(loads, group=group)
+    loads = loads.float()
     figures = {f"moe/load/{name.removeprefix('layers.').removesuffix('.mlp')}": ratio
                for name, ratio in zip(layers, loads.max(1).values / loads.mean(1).clamp(min=1e-9))}
     for m in layers.values():
