@@ -108,11 +108,14 @@ class Experts(nn.Module):
     def _grouped(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
         if self.compute != "auto":
             return self.compute == "grouped"
-        # Grouped GEMMs need each row's stride to be a multiple of 16 bytes.
+        # Grouped GEMMs need each row's stride to be a multiple of 16 bytes; torch.compile's
+        # shape function for them (torch 2.13) accepts bf16 only, where eager takes fp32 too.
         aligned = all(n * x.element_size() % 16 == 0 for n in self.down.shape[1:])
-        return aligned and grouped_mm_works(x.device.type, dtype)
+        compilable = dtype == torch.bfloat16 or not torch.compiler.is_compiling()
+        return aligned and compilable and grouped_mm_works(x.device.type, dtype)
 
 
+@torch.compiler.disable  # a check run once, eagerly, not part of a compiled graph
 @functools.cache
 def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
     """Whether torch._grouped_mm runs forward and backward here, right (checked once).
