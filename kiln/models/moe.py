@@ -120,8 +120,9 @@ class Experts(nn.Module):
 def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
     """Whether torch._grouped_mm runs forward and backward here, right (checked once).
 
-    It exists from torch 2.8; CUDA runs it on sm90+ in bf16, the CPU from about 2.10, and
-    older builds raise. A small case checked against the loop is cheaper than a version table.
+    It exists from torch 2.8 and CUDA runs it on sm90+ in bf16; torch 2.13's CPU build runs it
+    in fp32 and bf16; other builds and devices may raise. A small case checked against plain
+    matmuls is surer than a table of versions.
     """
     if not hasattr(torch, "_grouped_mm") or device_type == "meta":
         return False
