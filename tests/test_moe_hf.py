@@ -9,7 +9,7 @@ from safetensors.torch import load_model
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from conftest import tiny_job
-from kiln.checkpoint.hf_import import load_hf_weights, read_hf_config
+from kiln.checkpoint.hf_import import job_yaml, load_hf_weights, read_hf_config
 from kiln.cli import main
 from kiln.config import ModelConfig
 from kiln.data.batch import IGNORE_INDEX, Batch
@@ -108,6 +108,7 @@ def test_weight_names_round_trip_with_stacking(family, tmp_path):
     assert set(back) == set(files)
     for name, tensor in files.items():
         assert torch.equal(back[name], tensor), name
+    assert f", {family})" in job_yaml(tmp_path)  # import-hf checks the directory and writes a job
 
 
 @pytest.mark.parametrize("family, moe", [
