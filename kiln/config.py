@@ -37,6 +37,43 @@ class RopeScaling(Section):
     """The context length the model was first trained at."""
 
 
+class MoEConfig(Section):
+    """Mixture of experts: each token goes through top_k of n_experts SwiGLU MLPs."""
+
+    n_experts: int = Field(gt=1)
+    """Routed experts per MoE layer (Hugging Face: num_local_experts / num_experts)."""
+    top_k: int = Field(2, gt=0)
+    """Experts each token is sent to (num_experts_per_tok)."""
+    intermediate_size: int | None = Field(None, gt=0)
+    """Hidden size of each expert's SwiGLU (moe_intermediate_size); None: model.intermediate_size."""
+    n_shared_experts: int = Field(0, ge=0)
+    """Experts every token goes through besides its routed ones (DeepSeek), held as one SwiGLU
+    of n_shared_experts x intermediate_size."""
+    first_k_dense: int = Field(0, ge=0)
+    """The first this many layers keep a dense MLP (of model.intermediate_size), as DeepSeek."""
+    gating: Literal["softmax", "sigmoid"] = "softmax"
+    """softmax: probabilities over all experts, then top-k (Mixtral, Qwen3-MoE); sigmoid: an
+    independent score per expert, top-k of them (DeepSeek-V3)."""
+    norm_topk_prob: bool = True
+    """Rescale the top-k gate weights of each token to sum to 1 (Mixtral always does; Qwen3-MoE
+    by its config; DeepSeek-V3 with sigmoid gating)."""
+    aux_loss_coef: float = Field(0.01, ge=0)
+    """Weight of the load-balancing loss (Switch Transformer; computed as transformers'
+    load_balancing_loss_func over all MoE layers); 0 turns it off."""
+    router_z_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the router z-loss (ST-MoE: mean squared logsumexp of the router logits)."""
+    bias_update_rate: float = Field(0.0, ge=0)
+    """DeepSeek-V3's auxiliary-loss-free balancing: after each optimizer step every expert's
+    routing bias moves by this much toward balance (up when under-loaded, down when over-);
+    the bias only picks experts, it does not weight them. 0: off (DeepSeek-V3 uses 0.001)."""
+
+    @model_validator(mode="after")
+    def _check_top_k(self) -> MoEConfig:
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
+        return self
+
+
 class ModelConfig(Section):
     preset: str | None = None
     """A named shape from kiln/models/presets.py; fields set here override it."""
@@ -75,6 +112,8 @@ class ModelConfig(Section):
     init_std: float = Field(0.02, gt=0)
     """Standard deviation of the initial weights (block output projections are scaled down
     by sqrt(2 * n_layers))."""
+    moe: MoEConfig | None = None
+    """Mixture of experts in place of the MLP (from layer moe.first_k_dense on); None: dense."""
 
     @model_validator(mode="before")
     @classmethod
@@ -83,7 +122,11 @@ class ModelConfig(Section):
             name = data["preset"]
             if name not in PRESETS:
                 raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
-            data = {**PRESETS[name], **data}
+            preset = PRESETS[name]
+            # Nested sections (moe, rope_scaling) merge a level down: setting model.moe.top_k
+            # keeps the preset's other moe fields.
+            data = {**preset, **{k: {**preset[k], **v} if isinstance(v, dict) and isinstance(
+                preset.get(k), dict) else v for k, v in data.items()}}
         return data
 
     @model_validator(mode="after")
@@ -101,6 +144,9 @@ class ModelConfig(Section):
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         if self.head_size % 2:
             raise ValueError(f"the head size ({self.head_size}) must be even for RoPE")
+        if self.moe is not None and self.moe.first_k_dense >= self.n_layers:
+            raise ValueError(f"moe.first_k_dense={self.moe.first_k_dense} leaves no MoE layer "
+                             f"among n_layers={self.n_layers}")
         return self
 
     @property

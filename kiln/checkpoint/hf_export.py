@@ -24,7 +24,7 @@ from kiln.urls import is_url, redact
 from kiln.config import JobConfig, ModelConfig
 from kiln.errors import KilnError, os_error
 from kiln.outputs import check_output_dir
-from kiln.models.hf import hf_config_from_model, to_hf_state_dict
+from kiln.models.hf import hf_config_from_model, hf_model_type, to_hf_state_dict
 from kiln.tracking.lineage import record_export, write_lineage
 
 @dataclass
@@ -63,6 +63,7 @@ def export_hf(source: str, out: str | Path, dtype: str = "bf16", endpoint_url: s
     found = read_model(str(source), endpoint_url)
     model_cfg, weights, files, cfg = found.model_cfg, found.weights, found.files, found.job
     torch_dtype, dtype_name = DTYPES[dtype]
+    model_type = hf_model_type(model_cfg)  # before any work: KilnError for shapes HF lacks
     adapter = cfg.peft.method != "full"
     if merge and not adapter:
         raise KilnError(f"--merge: {redact(str(source))} is a full fine-tuning run (peft.method "
@@ -82,7 +83,7 @@ def export_hf(source: str, out: str | Path, dtype: str = "bf16", endpoint_url: s
             peft_export.write_adapter(tmp, cfg, weights, files, torch_dtype, redact(str(source)))
         else:
             state = {n: t.to(torch_dtype).contiguous()
-                     for n, t in to_hf_state_dict(weights, model_cfg.tie_embeddings).items()}
+                     for n, t in to_hf_state_dict(weights, model_cfg.tie_embeddings, model_type).items()}
             _write_shards(tmp, state, shard_bytes)
             hf = hf_config_from_model(model_cfg, dtype_name, eos_id, bos_id)
             hf["dtype"] = dtype_name

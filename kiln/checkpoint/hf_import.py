@@ -16,7 +16,7 @@ from torch import nn
 
 from kiln.config import JobConfig, ModelConfig
 from kiln.errors import KilnError
-from kiln.models.hf import from_hf_state_dict, model_config_from_hf, to_hf_name
+from kiln.models.hf import from_hf_state_dict, model_config_from_hf, to_hf_names
 from kiln.parallel.dtensor import copy_full_into
 from kiln.peft.lora import is_adapter_name
 
@@ -136,11 +136,15 @@ def _ours(state: dict, tie: bool, directory) -> dict:
 def load_hf_weights(model: nn.Module, directory: str | Path) -> None:
     """Copy the weights of a Hugging Face directory into our model (cast to its dtype).
 
-    One tensor at a time, memory-mapped from the safetensors files; a sharded model (FSDP2,
-    tensor parallel) keeps only its own slice of each, so the whole model is never in memory.
+    One tensor at a time, memory-mapped from the safetensors files (the experts of a mixture:
+    one matrix of all experts at a time, stacked from the file's per-expert tensors); a sharded
+    model (FSDP2, tensor parallel) keeps only its own slice of each, so the whole model is
+    never in memory.
     """
     tie = model.cfg.tie_embeddings
     found = header_shapes(directory)
+    model_type = read_hf_config(directory).get("model_type")
+    n_experts = model.cfg.moe.n_experts if model.cfg.moe else 0
     ours = _ours({n: torch.empty(s, device="meta") for n, (_, s) in found.items()}, tie, directory)
     from kiln.models.transformer import Transformer
 
@@ -152,13 +156,15 @@ def load_hf_weights(model: nn.Module, directory: str | Path) -> None:
               {n: tuple(t.shape) for n, t in ours.items() if not (tie and n == "lm_head.weight")},
               directory)
     for name, param in expected.items():
-        hf_name = to_hf_name(name)
-        file = found[hf_name][0]
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                copy_full_into(param, f.get_tensor(hf_name))
-        except (SafetensorError, OSError) as e:
-            raise unreadable(file, e) from None
+        tensors = []
+        for hf_name in to_hf_names(name, model_type, n_experts):  # experts: one tensor each in HF
+            file = found[hf_name][0]
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    tensors.append(f.get_tensor(hf_name))
+            except (SafetensorError, OSError) as e:
+                raise unreadable(file, e) from None
+        copy_full_into(param, tensors[0] if len(tensors) == 1 else torch.stack(tensors))
 
 
 def job_yaml(directory: str | Path) -> str:

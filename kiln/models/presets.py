@@ -30,4 +30,15 @@ PRESETS: dict[str, dict] = {
     "qwen3-0.6b": dict(vocab_size=151936, dim=1024, n_layers=28, n_heads=16, n_kv_heads=8,
                        head_dim=128, intermediate_size=3072, max_seq_len=40960,
                        rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True, tie_embeddings=True),
+    # Mixtures of experts: 46.7B parameters, 12.9B active per token.
+    "mixtral-8x7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                         intermediate_size=14336, max_seq_len=32768, rope_theta=1000000.0,
+                         norm_eps=1e-5, moe=dict(n_experts=8, top_k=2, norm_topk_prob=True,
+                                                 aux_loss_coef=0.02)),
+    # 30.5B parameters, 3.3B active.
+    "qwen3-30b-a3b": dict(vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4,
+                          head_dim=128, intermediate_size=6144, max_seq_len=40960,
+                          rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True,
+                          moe=dict(n_experts=128, top_k=8, intermediate_size=768,
+                                   norm_topk_prob=True, aux_loss_coef=0.001)),
 }

@@ -1,8 +1,10 @@
-"""A decoder-only transformer covering Llama 2/3/3.x, Mistral and Qwen2/2.5/3 by its arguments.
+"""A decoder-only transformer covering Llama 2/3/3.x, Mistral and Qwen2/2.5/3 (and, with
+model.moe, Mixtral and Qwen3-MoE) by its arguments.
 
 Token embedding -> N x [RMSNorm -> grouped-query attention with RoPE -> residual,
-RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> output projection. Qwen2 adds a bias to
-q/k/v; Qwen3 normalises each query and key head; Llama 3 rescales the RoPE frequencies.
+RMSNorm -> SwiGLU MLP (or mixture of experts, kiln.models.moe) -> residual] -> RMSNorm ->
+output projection. Qwen2 adds a bias to q/k/v; Qwen3 normalises each query and key head;
+Llama 3 rescales the RoPE frequencies.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 
 from kiln.config import ModelConfig, RopeScaling
 from kiln.models.fused import rms_norm, rope
+from kiln.models.moe import MoE, ffn_parameters, is_moe
 from kiln.parallel.dtensor import copy_full_into
 
 
@@ -116,12 +119,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if is_moe(cfg, layer) else MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,7 +141,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         # Keyed by layer index, so a stage that drops layers keeps the others' names.
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -176,7 +179,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Normal(0, init_std) matrices (block output projections scaled by depth), ones for
-        norms, zeros for biases, and the RoPE buffer.
+        norms, zeros for biases, the RoPE buffer and the MoE layers' biases and counts.
 
         Each parameter is drawn from a generator seeded by (seed, its name), as a whole tensor,
         and each rank keeps its own slice: the same weights whatever the sharding or the
@@ -188,10 +191,14 @@ class Transformer(nn.Module):
             if p.ndim == 1:  # norm weights, biases
                 full = torch.full(p.shape, 1.0 if "norm" in name else 0.0)
             else:
-                scale = 1 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o.weight", "down.weight")) else 1
+                scale = 1 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(
+                    ("o.weight", "down.weight", "experts.down")) else 1
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
                 full = torch.empty(p.shape).normal_(0.0, std * scale, generator=gen)
             copy_full_into(p, full)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.reset_buffers()
 
     @torch.no_grad()
     def generate(self, tokens: torch.Tensor, n_new: int, temperature: float = 0.8,
@@ -208,25 +215,28 @@ class Transformer(nn.Module):
         return tokens
 
 
-def count_parameters(cfg: ModelConfig, embedding: bool = True) -> int:
-    """Parameter count of the model `cfg` describes, computed from its shape alone."""
+def count_parameters(cfg: ModelConfig, embedding: bool = True, active: bool = False) -> int:
+    """Parameter count of the model `cfg` describes, computed from its shape alone; active:
+    only those one token goes through (a mixture of experts' top_k of its experts)."""
     d, h, kv, hd = cfg.dim, cfg.n_heads, cfg.kv_heads, cfg.head_size
     attn = d * h * hd + 2 * d * kv * hd + h * hd * d
     attn += (h * hd + 2 * kv * hd) if cfg.qkv_bias else 0
     attn += 2 * hd if cfg.qk_norm else 0
-    block = attn + 3 * d * cfg.intermediate_size + 2 * d
+    blocks = sum(attn + ffn_parameters(cfg, i, active) + 2 * d for i in range(cfg.n_layers))
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
-    total = cfg.n_layers * block + d + head + (cfg.vocab_size * d if embedding else 0)
-    return total
+    return blocks + d + head + (cfg.vocab_size * d if embedding else 0)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward): 6 x matmul weights + attention scores.
 
-    Matmul weights are the linear layers' (the output projection counts even when tied; the
-    embedding lookup does not); attention adds 12 * layers * heads * head_dim * seq_len (PaLM).
+    Matmul weights are the linear layers' a token goes through (the output projection counts
+    even when tied; the embedding lookup does not; of a mixture of experts only the router and
+    the top_k experts, so MFU stays honest); attention adds 12 * layers * heads * head_dim *
+    seq_len (PaLM).
     """
     d, h, kv, hd = cfg.dim, cfg.n_heads, cfg.kv_heads, cfg.head_size
-    per_layer = 2 * d * h * hd + 2 * d * kv * hd + 3 * d * cfg.intermediate_size
-    matmul_weights = cfg.n_layers * per_layer + cfg.vocab_size * d
+    attn = 2 * d * h * hd + 2 * d * kv * hd
+    matmul_weights = sum(attn + ffn_parameters(cfg, i, active=True) for i in range(cfg.n_layers))
+    matmul_weights += cfg.vocab_size * d
     return 6 * matmul_weights + 12 * cfg.n_layers * h * hd * seq_len

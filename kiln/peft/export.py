@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from kiln.config import JobConfig
 from kiln.errors import KilnError
-from kiln.models.hf import to_hf_name
+from kiln.models.hf import to_hf_names
 from kiln.peft.adapter import ADAPTER_FILE, EXPORTED_FILE, AdapterInfo, check_base
 from kiln.peft.lora import ADAPTER_PARAMS, is_adapter_name, merge_tuning
 
@@ -24,7 +24,7 @@ def peft_name(name: str) -> str:
     """layers.0.attn.q.lora_A.weight -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"""
     leaf = next(p for p in ADAPTER_PARAMS if name.endswith("." + p))
     module = name[: -len(leaf) - 1]
-    hf_module = to_hf_name(f"{module}.weight").removesuffix(".weight")
+    hf_module = to_hf_names(f"{module}.weight")[0].removesuffix(".weight")
     return f"base_model.model.{hf_module}.{leaf}"
 
 

@@ -10,7 +10,7 @@ from torch import nn
 from kiln.config import JobConfig
 from kiln.data.batch import Batch
 from kiln.data.pipeline import Data, build_data
-from kiln.train.loss import chunked_cross_entropy
+from kiln.train.loss import aux_losses, chunked_cross_entropy
 
 
 class Pretrain:
@@ -21,6 +21,9 @@ class Pretrain:
 
     def loss_sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """Cross-entropy summed over the batch's targets (the trainer divides by the global
-        count); the model returns hidden states and the loss runs the head in chunks."""
+        count); the model returns hidden states and the loss runs the head in chunks. A mixture
+        of experts adds its auxiliary losses once per target (see aux_losses)."""
         hidden = model(batch.tokens, **batch.model_inputs(), return_hidden=True)
-        return chunked_cross_entropy(hidden, model.lm_head, batch.labels)
+        loss = chunked_cross_entropy(hidden, model.lm_head, batch.labels)
+        aux = aux_losses(model)
+        return loss if aux is None else loss + aux * batch.count_targets()

@@ -20,11 +20,13 @@ from kiln.checkpoint.hf_import import load_hf_weights, resolve_init_from
 from kiln.config import BatchPlan, JobConfig, plan_batch
 from kiln.data.pipeline import Data
 from kiln.errors import KilnError
+from kiln.models.moe import update_expert_biases
 from kiln.models.transformer import Transformer
 from kiln.parallel import parallelize
 from kiln.parallel.pipeline import Pipeline, StageSpec, build_pipeline
 from kiln.peft import apply_tuning, check_layout, finalize_tuning, record_run, trainable_parameters
-from kiln.parallel.mesh import Layout, build_mesh, device_for_rank, dp_rank_size, rank_world, resolve_layout
+from kiln.parallel.mesh import (Layout, build_mesh, device_for_rank, dp_group, dp_rank_size, rank_world,
+                                resolve_layout)
 from kiln.tasks import build_task
 from kiln.train.device import resolve_device
 from kiln.train.optim import build_optimizer
@@ -120,6 +122,10 @@ def build(cfg: JobConfig, resume: str = "auto") -> Run:
     else:
         model = build_model(cfg, mesh, device, hardware)
     optimizer = build_optimizer(model, cfg.optim)
+    if cfg.model.moe is not None and cfg.model.moe.bias_update_rate > 0:
+        # DeepSeek's balancing biases move after every optimizer step, from that step's loads.
+        group = dp_group(mesh)
+        optimizer.register_step_post_hook(lambda *_: update_expert_biases(model, group))
     schedule = LRSchedule(optimizer, cfg.optim.lr, cfg.schedule, plan.total_steps or 1)
     checkpointer = Checkpointer(cfg, run_dir, model, optimizer, schedule, data.train)
     resumed = checkpointer.restore(resume)

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from kiln.data.batch import IGNORE_INDEX
+from kiln.models.moe import load_balancing_loss, moe_layers, router_z_loss
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -43,6 +44,32 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.T
     for start in range(0, h.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
         total = total + checkpoint(_head_loss, head, h[rows], y[rows], use_reentrant=False)
+    return total
+
+
+def aux_losses(model: nn.Module) -> torch.Tensor | None:
+    """The auxiliary losses of the model's last training forward (one micro-batch), weighted:
+    aux_loss_coef x the load-balancing loss + router_z_loss_coef x the router z-loss, as
+    transformers adds them to a mixture of experts' loss. None without MoE layers or when the
+    model is not training (validation reports the language-model loss alone).
+
+    The task adds it to its loss sum multiplied by the micro-batch's target count: the trainer
+    divides every micro-batch's sum by the step's global target count N, so micro-batch i
+    contributes n_i / N x aux_i and the step's loss is the mean cross-entropy plus the
+    target-weighted mean of the micro-batches' aux losses, which is their plain mean when the
+    micro-batches hold equal targets (pretraining), and exactly transformers' loss for a step of
+    one micro-batch. Each layer records its routing once per forward (not again when activation
+    checkpointing recomputes it), so nothing is counted twice.
+    """
+    if not model.training:
+        return None
+    layers = [m for m in moe_layers(model).values() if m.stats is not None]
+    if not layers:
+        return None
+    cfg, stats = layers[0].cfg, [m.stats for m in layers]
+    total = cfg.aux_loss_coef * load_balancing_loss(stats)
+    if cfg.router_z_loss_coef:
+        total = total + cfg.router_z_loss_coef * router_z_loss(stats)
     return total
 
 

@@ -11,9 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from kiln.tracking.jsonl import MetricsLog  # noqa: F401 (moved; kept importable from here)
+from kiln.models.moe import load_balancing_loss, moe_layers, router_z_loss
 from kiln.train.precision import cpu_model_name
 
 
@@ -223,3 +226,39 @@ def peak_memory_mb(device: torch.device) -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024  # kB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def moe_metrics(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """A mixture of experts' figures for the log line ({} for a dense model); reads the device
+    (one sync), so call it at log intervals only.
+
+    moe/load/<layer>: the busiest expert's tokens over the mean (1.0 = balanced), counted over
+    the training micro-batches since the last call (summed over `group`, the data-parallel
+    ranks), then reset; moe/load_max: the largest of them. moe/aux_loss and moe/z_loss: the
+    unweighted load-balancing loss and router z-loss of the last micro-batch (the logged loss
+    includes them times their coefficients). moe/bias_min, moe/bias_max: the routing biases'
+    range, with moe.bias_update_rate.
+    """
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    loads = torch.stack([m.load_window for m in layers.values()])
+    if group is not None:
+        dist.all_reduce(loads, group=group)
+    loads = loads.float()
+    figures = {f"moe/load/{name.removeprefix('layers.').removesuffix('.mlp')}": ratio
+               for name, ratio in zip(layers, loads.max(1).values / loads.mean(1).clamp(min=1e-9))}
+    for m in layers.values():
+        m.load_window.zero_()
+    stats = [m.stats for m in layers.values() if m.stats is not None]
+    if stats:
+        with torch.no_grad():
+            figures.update({"moe/aux_loss": load_balancing_loss(stats),
+                            "moe/z_loss": router_z_loss(stats)})
+    biases = [m.expert_bias for m in layers.values() if m.expert_bias is not None]
+    if biases:
+        figures.update({"moe/bias_min": torch.stack(biases).min(), "moe/bias_max": torch.stack(biases).max()})
+    values = torch.stack([v.float().reshape(()) for v in figures.values()]).tolist()  # the one sync
+    record = dict(zip(figures, values))
+    record["moe/load_max"] = max(v for k, v in record.items() if k.startswith("moe/load/"))
+    return record

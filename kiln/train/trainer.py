@@ -27,7 +27,7 @@ from kiln.errors import Preempted
 from kiln.tracking import Trackers
 from kiln.train.guards import Action, HangWatchdog, PreemptionFlag, StepGuard
 from kiln.train.build import Run, build
-from kiln.train.metrics import MetricsLog, peak_memory_mb, resolve_peak
+from kiln.train.metrics import MetricsLog, moe_metrics, peak_memory_mb, resolve_peak
 
 
 @dataclass
@@ -196,6 +196,7 @@ class Trainer:
                              "peak_mem_mb": mem, "tokens": result.tokens,
                              **({"bad_steps": self.bad_steps} if self.guard is not None else {}),
                              **run.data.train.window_stats(steps_in_window),
+                             **moe_metrics(self.model, self.dp_group),
                              **rank_health(busy / steps_in_window, mem, run.device)})
                     window_start, window_tokens, busy = time.perf_counter(), 0, 0.0
                 with watchdog.paused():
