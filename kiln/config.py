@@ -20,6 +20,13 @@ from kiln.errors import KilnError
 from kiln.models.presets import PRESETS
 
 
+def _refuse_userinfo(url: str | None, key: str, variables: str) -> None:
+    """A URL field must not carry user:secret@: the config is saved with every run."""
+    if url and "://" in url and "@" in url.split("://", 1)[1].split("/", 1)[0]:
+        raise ValueError(f"{key} must not carry credentials (user:secret@): they would be saved "
+                         f"with the config; set {variables} in the environment instead")
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -399,10 +406,7 @@ class CheckpointConfig(Section):
 
     @model_validator(mode="after")
     def _no_credentials(self) -> CheckpointConfig:
-        if self.dir and "://" in self.dir and "@" in self.dir.split("://", 1)[1].split("/", 1)[0]:
-            raise ValueError("checkpoint.dir must not carry credentials (user:secret@): they would "
-                             "be saved with the config; set AWS_ACCESS_KEY_ID / "
-                             "AWS_SECRET_ACCESS_KEY in the environment instead")
+        _refuse_userinfo(self.dir, "checkpoint.dir", "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
         return self
 
 
@@ -452,10 +456,8 @@ class MlflowConfig(Section):
 
     @model_validator(mode="after")
     def _no_credentials(self) -> MlflowConfig:
-        if self.uri and "://" in self.uri and "@" in self.uri.split("://", 1)[1].split("/", 1)[0]:
-            raise ValueError("tracking.mlflow.uri must not carry credentials (user:secret@): they "
-                             "would be saved with the config; set MLFLOW_TRACKING_TOKEN (or "
-                             "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD) instead")
+        _refuse_userinfo(self.uri, "tracking.mlflow.uri",
+                         "MLFLOW_TRACKING_TOKEN (or MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)")
         return self
 
 
