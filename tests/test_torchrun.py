@@ -82,11 +82,17 @@ def test_impossible_layouts_are_one_clear_error_per_rank(tmp_path):
     for name, (logs, proc) in launches.items():
         code, output = finish(proc, timeout=180)
         assert code != 0, output[-2000:]
+        said = 0
         for rank in (0, 1):
             (err,) = logs.rglob(f"attempt_0/{rank}/stderr.log")
             text = err.read_text() + (err.parent / "stdout.log").read_text()
             assert "Traceback" not in text, (name, text)
-            assert f"kiln: error (rank {rank} of 2): parallel" in text and BAD[name][1] in text, (name, text)
+            # torchrun stops the other worker as soon as one fails: a rank slower to get there
+            # may be stopped before it says anything, but never says anything else.
+            if text.strip():
+                assert f"kiln: error (rank {rank} of 2): parallel" in text and BAD[name][1] in text, (name, text)
+                said += 1
+        assert said >= 1, name
         assert not (tmp_path / "runs" / name).exists()  # nothing was started
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kiln.data.batch import Batch
+from kiln.data.batch import IGNORE_INDEX, Batch
 from kiln.data.sampler import Sampler, Stage
 from kiln.errors import KilnError
 
@@ -39,7 +39,9 @@ class ShardLoader:
         picks, stage = self.sampler.next_batch()
         batch, padding = self.sources[0].collate([self.sources[s].sample(i) for s, i in picks],
                                                  stage)
-        counts = np.array([batch.labels.numel(), padding, int(batch.count_targets())])
+        # Counted in numpy: the batch is still on the CPU here, and no device is waited for.
+        labels = batch.labels.numpy()
+        counts = np.array([labels.size, padding, np.count_nonzero(labels != IGNORE_INDEX)])
         if self.pin_memory:  # lets the copy to the GPU overlap with compute
             batch = batch.pin_memory()
         return batch, self.sampler.state_dict(), counts
