@@ -59,12 +59,14 @@ def test_cpu_peak_is_measured_quickly_once_then_cached(tmp_path, monkeypatch):
     (key,) = cache
     assert {"cpu", "isa", "threads", "torch", "dtype"} <= set(json.loads(key))
 
-    def fail(*args, **kwargs):
-        raise AssertionError("measured again despite the cache")
-
-    monkeypatch.setattr(metrics, "measure_matmul_flops", fail)
+    # A later start measures again; a lower figure (a busy machine) never lowers the peak...
+    monkeypatch.setattr(metrics, "measure_matmul_flops", lambda dtype, device: first.flops / 10)
     assert resolve_peak(torch.device("cpu"), "fp32", cache_dir=tmp_path).flops == first.flops
+    # ... and a higher one (a quiet machine) raises it, for this and later runs.
+    monkeypatch.setattr(metrics, "measure_matmul_flops", lambda dtype, device: first.flops * 2)
+    assert resolve_peak(torch.device("cpu"), "fp32", cache_dir=tmp_path).flops == first.flops * 2
     monkeypatch.undo()
+    assert resolve_peak(torch.device("cpu"), "fp32", cache_dir=tmp_path).flops >= first.flops * 2
     # Another thread count is another machine as far as the peak goes.
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if threads > 1 else 2)
