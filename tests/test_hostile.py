@@ -659,3 +659,35 @@ def test_ctrl_c_stops_prepare_workers_without_tracebacks(here):
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
     assert "interrupted" in out
     assert not (here / "big").exists() and not list(here.glob(".big.*"))
+
+
+# The commands the other issues added (launch, plot, eval, lineage, adapters, data show): a bad
+# target or option is one clear error, no traceback, and nothing is written.
+NEW_COMMANDS = {
+    "plot-missing-run": (["plot", "{tmp}/nope", "--out", "{tmp}/p.png"], "nope"),
+    "eval-missing-target": (["eval", "{tmp}/nope", "--task", "{tmp}/t.jsonl"], "nope"),
+    "lineage-missing": (["lineage", "{tmp}/nope"], "nope"),
+    "adapters-missing-dir": (["adapters", "{tmp}/nope"], "nope"),
+    "launch-k8s-zero-nodes": (["launch", "k8s", "{tmp}/job.yaml", "--nodes", "0", "--gpus-per-node", "8",
+                               "--image", "img:1"], "nodes"),
+    "data-show-missing-config": (["data", "show", "{tmp}/missing.yaml"], "missing.yaml"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_COMMANDS))
+def test_new_commands_refuse_bad_input_clearly(name, tmp_path, capsys):
+    from kiln.cli import main
+
+    (tmp_path / "job.yaml").write_text("name: j\n")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    argv, culprit = NEW_COMMANDS[name]
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own range checks
+        code = e.code
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert code not in (0, None), text
+    assert "Traceback" not in text and culprit in text, text
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
