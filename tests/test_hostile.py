@@ -372,11 +372,6 @@ CASES = [
 ]
 
 
-# The trainer still writes the run directory before these are found (issue 10, finding 2: the
-# lead's part); the assertion covers them once it checks first.
-WRITES_RUN_DIR_FIRST = {"shard-corrupted-same-size", "s3-credentials-resume"}
-
-
 # Cases whose right outcome is not a refusal; they run in the same child.
 
 def _resume_over_damaged_checkpoints(h):
@@ -464,8 +459,7 @@ def test_hostile_input_is_one_clear_error_and_changes_nothing(outcomes, name):
     code, out, h, culprits, before = outcomes[name]
     assert_refused(code, out, *culprits)
     assert_kept(before, h)
-    if name not in WRITES_RUN_DIR_FIRST:  # train: nothing written before the run can start
-        assert not (h / "runs").is_dir()
+    assert not (h / "runs").is_dir()  # train: nothing left behind by a run that cannot start
 
 
 def test_resume_auto_skips_each_damaged_checkpoint_once_with_its_reason(outcomes):

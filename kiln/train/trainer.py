@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 import threading
 import time
 from contextlib import nullcontext
@@ -20,10 +21,10 @@ from kiln.config import JobConfig
 from kiln.data.batch import Batch
 from kiln.models.transformer import count_parameters, flops_per_token
 from kiln.parallel.health import rank_health
-from kiln.parallel.mesh import dp_group
+from kiln.parallel.mesh import dp_group, rank_world
 from kiln.eval.tasks import run_tasks
 from kiln.parallel.pipeline import gather_stages
-from kiln.errors import Preempted
+from kiln.errors import KilnError, Preempted
 from kiln.tracking import Trackers
 from kiln.train.guards import Action, HangWatchdog, PreemptionFlag, StepGuard
 from kiln.train.build import Run, build
@@ -47,7 +48,20 @@ class TrainResult:
 
 def train(cfg: JobConfig, resume: str = "auto") -> TrainResult:
     """Train as cfg says; resume: 'auto' (the newest committed checkpoint), 'none' or a path."""
-    return Trainer(build(cfg, resume)).fit()
+    made = cfg.run_dir  # the outermost directory this run will create, if any
+    while not made.parent.exists() and made.parent != made:
+        made = made.parent
+    fresh, trainer = not made.exists(), None
+    try:
+        trainer = Trainer(build(cfg, resume))
+        return trainer.fit()
+    except KilnError as e:
+        if isinstance(e, Preempted):
+            raise
+        # A run refused before its first step leaves behind no run directory it made itself.
+        if fresh and (trainer is None or trainer.step == 0) and rank_world()[0] == 0:
+            shutil.rmtree(made, ignore_errors=True)
+        raise
 
 
 class Trainer:
