@@ -335,6 +335,11 @@ class ParallelConfig(Section):
     """Pipeline stages, each holding a contiguous run of the blocks."""
     cp: int = Field(1, gt=0)
     """Context-parallel ranks: the sequence split for ring attention (GPUs only)."""
+    ep: int = Field(1, gt=0)
+    """Expert-parallel ranks, taken from the dp_shard ranks (not a dimension of their own):
+    each MoE layer's routed experts are split in blocks over ep consecutive dp_shard ranks,
+    and tokens travel to their experts' rank and back by all-to-all. Must divide dp_shard and
+    model.moe.n_experts; expert weights are FSDP-sharded over the dp ranks that remain."""
     pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble"] = "1F1B"
     """The pipeline schedule, from torch.distributed.pipelining."""
     pp_microbatches: int | None = Field(None, gt=0)

@@ -24,6 +24,8 @@ class Layout:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert-parallel ranks: a split of dp_shard (consecutive ranks), not a mesh dimension."""
 
     @property
     def dp(self) -> int:
@@ -35,7 +37,7 @@ class Layout:
         return math.prod(getattr(self, d) for d in DIMS)
 
     def __str__(self) -> str:
-        used = [f"{d}={getattr(self, d)}" for d in DIMS if getattr(self, d) > 1]
+        used = [f"{d}={getattr(self, d)}" for d in (*DIMS, "ep") if getattr(self, d) > 1]
         return " x ".join(used) or "one process"
 
 
@@ -49,7 +51,7 @@ def resolve_layout(pcfg: ParallelConfig, world_size: int, model: ModelConfig,
             raise KilnError(f"parallel: dp_replicate x tp x pp x cp = {others} does not divide "
                             f"the world size {world_size} (the number of processes)")
         dp_shard = world_size // others
-    layout = Layout(pcfg.pp, pcfg.dp_replicate, dp_shard, pcfg.cp, pcfg.tp)
+    layout = Layout(pcfg.pp, pcfg.dp_replicate, dp_shard, pcfg.cp, pcfg.tp, pcfg.ep)
     if layout.world_size != world_size:
         raise KilnError(f"parallel: the layout {layout} needs {layout.world_size} processes, but "
                         f"the job has {world_size}; the product of dp_replicate, dp_shard, tp, pp "
@@ -68,6 +70,8 @@ def resolve_layout(pcfg: ParallelConfig, world_size: int, model: ModelConfig,
     if layout.pp > 1 and model.tie_embeddings:
         raise KilnError("parallel.pp > 1 with model.tie_embeddings: the embedding (first stage) "
                         "and the output projection (last stage) cannot share a weight across stages")
+    if layout.ep > 1:
+        check_expert_parallel(layout, model)
     if layout.cp > 1:
         if device_type != "cuda":
             raise KilnError(f"parallel.cp={layout.cp}: context parallel (ring attention) runs only "
@@ -77,6 +81,27 @@ def resolve_layout(pcfg: ParallelConfig, world_size: int, model: ModelConfig,
             raise KilnError(f"parallel.cp={layout.cp}: data.seq_len={seq_len} must be divisible "
                             f"by 2 x cp (load-balanced ring attention)")
     return layout
+
+
+def check_expert_parallel(layout: Layout, model: ModelConfig) -> None:
+    """parallel.ep > 1: experts to split, evenly, over ranks taken from dp_shard."""
+    ep = layout.ep
+    if model.moe is None:
+        raise KilnError(f"parallel.ep={ep}: expert parallelism splits the experts of a mixture "
+                        "of experts, but the model has none (model.moe is not set); use ep: 1")
+    if layout.dp_shard % ep:
+        raise KilnError(f"parallel.ep={ep} must divide the data-parallel shard ranks "
+                        f"(dp_shard={layout.dp_shard} in the layout {layout}): the expert-parallel "
+                        "ranks are taken from them")
+    if model.moe.n_experts % ep:
+        raise KilnError(f"parallel.ep={ep} must divide model.moe.n_experts="
+                        f"{model.moe.n_experts}: each expert-parallel rank holds an equal block "
+                        "of every MoE layer's experts")
+    for name in ("pp", "cp", "tp"):
+        if getattr(layout, name) > 1:
+            raise KilnError(f"parallel.ep={ep} with parallel.{name}={getattr(layout, name)}: "
+                            f"expert parallelism does not combine with {name} yet; use "
+                            f"{name}: 1 (or ep: 1)")
 
 
 def device_type(name: str) -> str:

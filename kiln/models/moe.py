@@ -53,7 +53,7 @@ class RoutingStats:
     """(experts,) float32: each expert's routing probability summed over the tokens."""
     z_sum: torch.Tensor
     """() float32: logsumexp(router logits)^2 summed over the tokens (ST-MoE's z-loss)."""
-    rows: int
+    rows: int | torch.Tensor
     """Tokens routed."""
 
 
@@ -89,11 +89,17 @@ class Experts(nn.Module):
             nn.init.normal_(p, std=init_std)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return self.swiglu(x, counts, self.gate, self.up, self.down)
+
+    def swiglu(self, x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+               down: torch.Tensor) -> torch.Tensor:
+        """The experts whose weights are given (all of them, or an expert-parallel block) on
+        the rows sorted by expert, counts[e] rows for expert e."""
         device = x.device.type
         # Under autocast, compute in the autocast dtype, as nn.Linear would.
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         x = x.to(dtype)
-        gate, up, down = (w.to(dtype) for w in (self.gate, self.up, self.down))
+        gate, up, down = (w.to(dtype) for w in (gate, up, down))
         if self._grouped(x, dtype):
             offsets = counts.cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, gate.mT, offs=offsets)) * torch._grouped_mm(
@@ -103,7 +109,11 @@ class Experts(nn.Module):
         for e, rows in enumerate(torch.split(x, counts.tolist())):
             if rows.shape[0]:
                 out.append(F.linear(F.silu(F.linear(rows, gate[e])) * F.linear(rows, up[e]), down[e]))
-        return torch.cat(out) if out else x.new_zeros(0, self.down.shape[1])
+        if not out:  # no rows here (an expert-parallel rank can get none): still a gradient
+            # for the weights (zeros), so every rank reduces the same gradients
+            rows = x[:0]
+            out.append(F.linear(F.silu(F.linear(rows, gate[0])) * F.linear(rows, up[0]), down[0]))
+        return torch.cat(out)
 
     def _grouped(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
         if self.compute != "auto":
@@ -170,6 +180,9 @@ class MoE(nn.Module):
         self.register_buffer("load_window", torch.zeros(m.n_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("load_step", torch.zeros(m.n_experts, dtype=torch.int64), persistent=False)
         self.stats: RoutingStats | None = None
+        # The data-parallel ranks whose micro-batches are balanced together (set by
+        # kiln.parallel.parallelize); None: this process's micro-batch alone.
+        self.balance_group: dist.ProcessGroup | None = None
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -230,6 +243,32 @@ class MoE(nn.Module):
 def moe_layers(model: nn.Module) -> dict[str, MoE]:
     """The model's MoE modules by name (layers.3.mlp, ...)."""
     return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+
+
+def pool_routing(stats: list[RoutingStats], group: dist.ProcessGroup, extra: torch.Tensor,
+                 everything: bool = False) -> tuple[list[RoutingStats], torch.Tensor]:
+    """The routing of the micro-batch on every rank of `group` together, in one all-reduce:
+    token counts and rows summed over the ranks (they carry no gradient), and `extra` summed
+    too. The probability and z-loss sums are summed as well when `everything` (for metrics);
+    otherwise they stay this rank's own, so a loss made from the stats is this rank's share of
+    the pooled micro-batch's loss (the shares add up to it over the ranks) with the gradient of
+    this rank's tokens; summed over ranks, the gradients are the pooled loss's."""
+    layers = len(stats)
+    parts = [torch.stack([s.counts for s in stats]),
+             torch.tensor([[float(s.rows)] for s in stats], device=stats[0].counts.device)]
+    if everything:
+        parts += [torch.stack([s.prob_sum for s in stats]).detach(),
+                  torch.stack([s.z_sum for s in stats]).detach().unsqueeze(1)]
+    flat = torch.cat([p.double().flatten() for p in parts] + [extra.double().reshape(1)])
+    dist.all_reduce(flat, group=group)
+    n = stats[0].counts.numel()
+    counts = flat[:layers * n].view(layers, n).float()
+    rows = flat[layers * n:layers * (n + 1)].float()
+    probs = (flat[layers * (n + 1):layers * (2 * n + 1)].view(layers, n).float() if everything
+             else [s.prob_sum for s in stats])
+    zs = flat[layers * (2 * n + 1):layers * (2 * n + 2)].float() if everything else [s.z_sum for s in stats]
+    pooled = [RoutingStats(counts[i], probs[i], zs[i], rows[i]) for i in range(layers)]
+    return pooled, flat[-1].to(extra.dtype)
 
 
 def load_balancing_loss(stats: list[RoutingStats]) -> torch.Tensor:

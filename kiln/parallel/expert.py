@@ -2,8 +2,8 @@
 routed tokens travel to the rank of their expert and back, with two all-to-alls.
 
 ExpertParallel takes the place of a MoE layer's `experts` (same forward: rows sorted by expert,
-tokens per expert), so the router, the gate weights and the scatter back to token positions
-stay where they are. The all-to-alls are autograd functions: backward sends the gradients
+tokens per expert; same parameter names), so the router, the gate weights and the scatter back
+to token positions stay where they are. The all-to-alls are autograd functions: backward sends the gradients
 the opposite way.
 """
 
@@ -14,9 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from kiln.models.moe import Experts
+from kiln.models.moe import Experts, moe_layers
 
 
 @dataclass
@@ -70,29 +72,40 @@ def combine(y: torch.Tensor, d: Dispatched, group: dist.ProcessGroup) -> torch.T
     return all_to_all_single(out, back.contiguous(), d.sent, d.received, group=group)
 
 
-class ExpertParallel(nn.Module):
-    """This rank's block of a layer's experts, in the place of the whole Experts module."""
+class ExpertParallel(Experts):
+    """A layer's experts split over an expert-parallel mesh: each rank computes a contiguous
+    block of them (rank r: experts r * n/ep ... (r + 1) * n/ep - 1).
 
-    def __init__(self, local: Experts, group: dist.ProcessGroup):
-        super().__init__()
-        self.local = local
-        self.group = group
+    The weights keep their names and global shapes, as DTensors sharded on dimension 0 over
+    the mesh: checkpoints (DCP) hold every expert once under its global name and reshard to
+    any layout, gradient norms count each expert once, and FSDP2 can shard the blocks further
+    over the data-parallel ranks that hold the same block.
+    """
 
-    @classmethod
-    @torch.no_grad()
-    def shard(cls, experts: Experts, group: dist.ProcessGroup) -> ExpertParallel:
-        """Keep this rank's contiguous block of `experts` (their weights copied)."""
-        ep, rank = dist.get_world_size(group), dist.get_rank(group)
-        n, dim, hidden = experts.down.shape
-        if n % ep:
-            raise ValueError(f"{n} experts cannot be split evenly over {ep} expert-parallel ranks")
-        block = slice(rank * n // ep, (rank + 1) * n // ep)
-        local = Experts(n // ep, dim, hidden)
+    def __init__(self, experts: Experts, mesh: DeviceMesh):
+        nn.Module.__init__(self)
+        n = experts.down.shape[0]
+        if n % mesh.size():
+            raise ValueError(f"{n} experts cannot be split evenly over {mesh.size()} expert-parallel ranks")
+        self.compute, self.mesh = experts.compute, mesh
         for name in ("gate", "up", "down"):
-            getattr(local, name).copy_(getattr(experts, name)[block])
-        local.compute = experts.compute
-        return cls(local.to(experts.down.device), group)
+            # Each rank cuts its own block (no communication; on the meta device, no memory).
+            block = distribute_tensor(getattr(experts, name).detach(), mesh, [Shard(0)], src_data_rank=None)
+            setattr(self, name, nn.Parameter(block))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        d = dispatch(x, counts, self.group)
-        return combine(self.local(d.rows, d.counts), d, self.group)
+        group = self.mesh.get_group()
+        d = dispatch(x, counts, group)
+        # The block's own weights (FSDP2, when it shards them further, has gathered them).
+        gate, up, down = (w.to_local() if isinstance(w, DTensor) else w
+                          for w in (self.gate, self.up, self.down))
+        return combine(self.swiglu(d.rows, d.counts, gate, up, down), d, group)
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[ExpertParallel]:
+    """Every MoE layer's experts in place split over `mesh`; the new modules."""
+    split = []
+    for moe in moe_layers(model).values():
+        moe.experts = ExpertParallel(moe.experts, mesh)
+        split.append(moe.experts)
+    return split

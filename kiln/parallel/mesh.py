@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -11,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from kiln.launch.layout import DIMS, Layout, resolve_layout
 
 __all__ = ["DIMS", "Layout", "resolve_layout", "build_mesh", "dp_mesh", "dp_group",
-           "dp_rank_size", "device_for_rank", "rank_world"]
+           "dp_rank_size", "device_for_rank", "rank_world", "ExpertMeshes", "expert_meshes"]
 
 
 def rank_world() -> tuple[int, int]:
@@ -28,7 +29,28 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
         return None
     mesh = init_device_mesh(device_type, tuple(getattr(layout, d) for d in DIMS), mesh_dim_names=DIMS)
     dp_mesh(mesh)
+    if layout.ep > 1:
+        # The same ranks with dp_shard split into (efsdp, ep), ep innermost (torchtitan's
+        # sparse mesh): an unflattened view shares the root's ranks, so FSDP2 can shard the
+        # experts' ep-sharded DTensors over efsdp. Made once here (each call makes new groups)
+        # and kept on the root mesh, which has no place of its own for a second view.
+        full = mesh._unflatten("dp_shard", (layout.dp_shard // layout.ep, layout.ep), ("efsdp", "ep"))
+        mesh._kiln_experts = ExpertMeshes(full["ep"], full["dp_replicate", "efsdp"])
     return mesh
+
+
+@dataclass(frozen=True)
+class ExpertMeshes:
+    ep: DeviceMesh
+    """The ranks one MoE layer's experts are split over (a block each)."""
+    dp: DeviceMesh
+    """(dp_replicate, efsdp): the data-parallel ranks that hold the same block of experts;
+    FSDP2 shards the experts over them (size 1: dp == ep, the experts stay plain)."""
+
+
+def expert_meshes(mesh: DeviceMesh | None) -> ExpertMeshes | None:
+    """The expert-parallel views of the job's mesh, or None without expert parallelism."""
+    return getattr(mesh, "_kiln_experts", None)
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:

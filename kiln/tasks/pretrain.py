@@ -10,7 +10,7 @@ from torch import nn
 from kiln.config import JobConfig
 from kiln.data.batch import Batch
 from kiln.data.pipeline import Data, build_data
-from kiln.train.loss import aux_losses, chunked_cross_entropy
+from kiln.train.loss import aux_loss_sum, chunked_cross_entropy
 
 
 class Pretrain:
@@ -22,8 +22,8 @@ class Pretrain:
     def loss_sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """Cross-entropy summed over the batch's targets (the trainer divides by the global
         count); the model returns hidden states and the loss runs the head in chunks. A mixture
-        of experts adds its auxiliary losses once per target (see aux_losses)."""
+        of experts adds its auxiliary losses once per target (see aux_loss_sum)."""
         hidden = model(batch.tokens, **batch.model_inputs(), return_hidden=True)
         loss = chunked_cross_entropy(hidden, model.lm_head, batch.labels)
-        aux = aux_losses(model)
-        return loss if aux is None else loss + aux * batch.count_targets()
+        aux = aux_loss_sum(model, batch.count_targets())
+        return loss if aux is None else loss + aux

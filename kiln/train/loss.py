@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from kiln.data.batch import IGNORE_INDEX
-from kiln.models.moe import load_balancing_loss, moe_layers, router_z_loss
+from kiln.models.moe import RoutingStats, load_balancing_loss, moe_layers, pool_routing, router_z_loss
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -66,7 +66,34 @@ def aux_losses(model: nn.Module) -> torch.Tensor | None:
     layers = [m for m in moe_layers(model).values() if m.stats is not None]
     if not layers:
         return None
-    cfg, stats = layers[0].cfg, [m.stats for m in layers]
+    return _weighted(layers[0].cfg, [m.stats for m in layers])
+
+
+def aux_loss_sum(model: nn.Module, n_targets: torch.Tensor) -> torch.Tensor | None:
+    """What a micro-batch adds to its loss sum for the auxiliary losses: aux_losses(model) x
+    n_targets in one process.
+
+    Over data-parallel ranks (the MoE layers' balance_group), the step's i-th micro-batches of
+    all ranks are balanced as one micro-batch, as one process running them together would: the
+    token counts, rows and targets are summed over the ranks, and each rank adds its share
+    (its own tokens' routing probabilities against the pooled counts) times the pooled targets.
+    The shares add up over the ranks to the pooled micro-batch's aux loss times its targets, so
+    a layout gives the losses and gradients of one process whose micro-batch holds the
+    data-parallel ranks' micro-batches (data-parallel ranks take consecutive slices of each
+    global micro-batch), and the load the loss balances is the experts' global load.
+    """
+    if not model.training:
+        return None
+    layers = [m for m in moe_layers(model).values() if m.stats is not None]
+    if not layers:
+        return None
+    stats, group = [m.stats for m in layers], layers[0].balance_group
+    if group is not None:
+        stats, n_targets = pool_routing(stats, group, n_targets)
+    return _weighted(layers[0].cfg, stats) * n_targets
+
+
+def _weighted(cfg, stats: list[RoutingStats]) -> torch.Tensor:
     total = cfg.aux_loss_coef * load_balancing_loss(stats)
     if cfg.router_z_loss_coef:
         total = total + cfg.router_z_loss_coef * router_z_loss(stats)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.tracking.jsonl import MetricsLog  # noqa: F401 (moved; kept importable from here)
-from kiln.models.moe import load_balancing_loss, moe_layers, router_z_loss
+from kiln.models.moe import load_balancing_loss, moe_layers, pool_routing, router_z_loss
 from kiln.train.precision import cpu_model_name
 
 
@@ -245,7 +245,8 @@ def moe_metrics(model: nn.Module, group: dist.ProcessGroup | None = None) -> dic
     moe/load/<layer>: the busiest expert's tokens over the mean (1.0 = balanced), counted over
     the training micro-batches since the last call (summed over `group`, the data-parallel
     ranks), then reset; moe/load_max: the largest of them. moe/aux_loss and moe/z_loss: the
-    unweighted load-balancing loss and router z-loss of the last micro-batch (the logged loss
+    unweighted load-balancing loss and router z-loss of the last micro-batch (of all ranks in
+    `group` together, as the training loss balances them; the logged loss
     includes them times their coefficients). moe/bias_min, moe/bias_max: the routing biases'
     range, with moe.bias_update_rate.
     """
@@ -263,6 +264,8 @@ def moe_metrics(model: nn.Module, group: dist.ProcessGroup | None = None) -> dic
     stats = [m.stats for m in layers.values() if m.stats is not None]
     if stats:
         with torch.no_grad():
+            if group is not None:  # the last micro-batch on every rank, as aux_loss_sum pools it
+                stats, _ = pool_routing(stats, group, loads.new_zeros(()), everything=True)
             figures.update({"moe/aux_loss": load_balancing_loss(stats),
                             "moe/z_loss": router_z_loss(stats)})
     biases = [m.expert_bias for m in layers.values() if m.expert_bias is not None]

@@ -14,6 +14,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from kiln.config import ModelConfig
 from kiln.models.moe import MoE
@@ -48,7 +49,7 @@ torch.manual_seed(0)  # the same layer on both ranks
 whole = MoE(cfg).train()
 torch.nn.init.normal_(whole.router.weight, std=0.5)
 parallel = copy.deepcopy(whole)
-parallel.experts = ExpertParallel.shard(whole.experts, group)
+parallel.experts = ExpertParallel(whole.experts, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)))
 x = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(10 + rank))  # own tokens
 weights = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(20 + rank))
 results = []
@@ -65,7 +66,7 @@ diffs = []
 for name in ("gate", "up", "down"):
     summed = getattr(whole.experts, name).grad.clone()
     dist.all_reduce(summed, group=group)  # the whole layer trained on both ranks' tokens
-    diffs.append((summed[block] - getattr(parallel.experts.local, name).grad).abs().max().item())
+    diffs.append((summed[block] - getattr(parallel.experts, name).grad.to_local()).abs().max().item())
 out["expert_grad_max_diff"] = max(diffs)
 out["tokens_routed_off_rank"] = int(whole.stats.counts[[other * local, other * local + 1]].sum())
 
