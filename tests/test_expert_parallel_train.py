@@ -117,7 +117,10 @@ def four_ranks(tmp, reference):
         (job(tmp, "ep2_fsdp4", QWEN, 4, {"dp_shard": 4, "ep": 2}), "ref_qwen"),
         (job(tmp, "ep4", QWEN, 4, {"ep": 4}), "ref_qwen"),
         (job(tmp, "ep2_hsdp", DEEPSEEK, 4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2}), "ref_deepseek"),
-    ], ["dp_shard=4 x ep=2", "dp_shard=4 x ep=4", "dp_replicate=2 x dp_shard=2 x ep=2"])
+        # Attention (and the dense parts) tensor-parallel, the experts split over ep.
+        (job(tmp, "ep2_tp2", QWEN, 2, {"dp_shard": 2, "ep": 2, "tp": 2}), "ref_qwen"),
+    ], ["dp_shard=4 x ep=2", "dp_shard=4 x ep=4", "dp_replicate=2 x dp_shard=2 x ep=2",
+        "dp_shard=2 x tp=2 x ep=2"])
 
 
 def assert_same_run(tmp, results: dict, reference: dict, name: str, ref: str) -> None:
@@ -142,7 +145,7 @@ def test_expert_parallel_on_two_ranks_matches_one_process(tmp, reference, two_ra
 
 
 @pytest.mark.parametrize("name, ref", [("ep2_fsdp4", "ref_qwen"), ("ep4", "ref_qwen"),
-                                       ("ep2_hsdp", "ref_deepseek")])
+                                       ("ep2_hsdp", "ref_deepseek"), ("ep2_tp2", "ref_qwen")])
 def test_expert_parallel_on_four_ranks_matches_one_process(tmp, reference, four_ranks, name, ref):
     assert_same_run(tmp, four_ranks, reference, name, ref)
 
@@ -173,7 +176,7 @@ def test_an_expert_parallel_checkpoint_resumes_and_exports_in_one_process(tmp, r
     ({"ep": 3}, QWEN, "must divide the data-parallel shard ranks"),
     ({"dp_replicate": 2, "dp_shard": 2, "ep": 4}, QWEN, "must divide the data-parallel shard ranks"),
     ({"ep": 4}, dict(QWEN, moe=dict(QWEN["moe"], n_experts=6)), "must divide model.moe.n_experts=6"),
-    ({"ep": 2, "tp": 2, "dp_shard": 2}, QWEN, "parallel.tp=2"),
+    ({"ep": 2, "pp": 2, "dp_shard": 2}, QWEN, "parallel.pp=2"),
 ])
 def test_a_bad_expert_parallel_layout_is_a_clear_error(tmp_path, parallel, model, needle):
     cfg = JobConfig.model_validate(job(tmp_path, "bad", model, parallel=parallel))

@@ -97,7 +97,7 @@ def check_expert_parallel(layout: Layout, model: ModelConfig) -> None:
         raise KilnError(f"parallel.ep={ep} must divide model.moe.n_experts="
                         f"{model.moe.n_experts}: each expert-parallel rank holds an equal block "
                         "of every MoE layer's experts")
-    for name in ("pp", "cp", "tp"):
+    for name in ("pp", "cp"):
         if getattr(layout, name) > 1:
             raise KilnError(f"parallel.ep={ep} with parallel.{name}={getattr(layout, name)}: "
                             f"expert parallelism does not combine with {name} yet; use "

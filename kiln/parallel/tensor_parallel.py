@@ -26,9 +26,28 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
+from kiln.models.moe import MoE
 
-def block_plan(qk_norm: bool) -> dict:
-    """One block's plan. Its inputs are (x, cos, sin, mask): only x is split."""
+
+def block_plan(qk_norm: bool, moe: bool = False) -> dict:
+    """One block's plan. Its inputs are (x, cos, sin, mask): only x is split.
+
+    moe: the block's MLP is a mixture of experts, which stays whole on every tensor-parallel
+    rank (replicated, or split over the expert-parallel ranks): it runs on the whole sequence,
+    gathered on entry, and each rank keeps its slice of the output (no communication; the
+    gradient is gathered in backward, so every rank's MoE weights get the whole gradient).
+    """
+    if moe:
+        mlp = {"mlp": PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)}
+    else:
+        mlp = {
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                      use_local_output=True),
+            "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+        }
     plan = {
         "attn_norm": SequenceParallel(),
         "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
@@ -37,10 +56,7 @@ def block_plan(qk_norm: bool) -> dict:
         "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
         "attn.o": RowwiseParallel(output_layouts=Shard(1)),
         "mlp_norm": SequenceParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                  use_local_output=True),
-        "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
-        "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+        **mlp,
     }
     if qk_norm:
         # Per-head norms on (batch, seq, local heads, head_dim): each rank holds some heads, so
@@ -54,7 +70,7 @@ def block_plan(qk_norm: bool) -> dict:
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     blocks = list(model.layers.values())
     for block in blocks:
-        parallelize_module(block, tp_mesh, block_plan(model.cfg.qk_norm))
+        parallelize_module(block, tp_mesh, block_plan(model.cfg.qk_norm, isinstance(block.mlp, MoE)))
     enter = dict(input_layouts=(Replicate(), None, None, None),
                  desired_input_layouts=(Shard(1), None, None, None))
     leave = dict(output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)
