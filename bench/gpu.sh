@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Launch: bash bench/gpu.sh   (on a CUDA machine: at most ~8 minutes, each stage has a timeout)
+# Launch: bash bench/gpu.sh   (on a CUDA machine: at most ~10 minutes, each stage has a timeout)
 #
 # 1. a venv on top of the machine's CUDA torch (--system-site-packages: no multi-GB download),
 #    with kiln and what the GPU checks need (pytest, torchao for fp8);
 # 2. the CUDA tests (pytest -m cuda): fused kernels vs their references, precision and MFU peak,
 #    bf16 autocast, compile + activation checkpointing, checkpoint resume, fp8;
 # 3. bench/gpu_bench.py: tokens/s, MFU and peak memory of Llama-3.2-1B (bf16, compile,
-#    activation checkpointing), then fp8 vs bf16 on a Llama-3.2-3B shape, as one table.
-# Environment: KILN_GPU_VENV (default .venv-gpu), KILN_GPU_CASES (default all rows).
+#    activation checkpointing), then fp8 vs bf16 on a Llama-3.2-3B shape, as one table;
+# 4. the same for a Qwen3-MoE shape (Qwen3-30B-A3B's layers, 6 of 48; bf16, grouped GEMMs).
+# Environment: KILN_GPU_VENV (default .venv-gpu), KILN_GPU_CASES (default the three dense rows;
+# the MoE row has its stage).
 # A step that fails is reported and the script goes on; the exit status is non-zero if any did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +52,9 @@ stage "throughput"
 # The bench keeps its own budget so that the table is printed even when a row runs long.
 timeout 285 "$PY" bench/gpu_bench.py --cases "${KILN_GPU_CASES:-1b-bf16,3b-bf16,3b-fp8}" \
     --timeout 130 --budget 270 || status=1
+
+stage "MoE throughput"
+timeout 100 "$PY" bench/gpu_bench.py --cases moe-bf16 --timeout 90 --budget 95 || status=1
 
 stage "done, status $status"
 exit $status

@@ -5,7 +5,8 @@
     python bench/gpu_bench.py --cpu-smoke     # the same code on tiny shapes, on the CPU
 
 Rows: Llama-3.2-1B (sequence 2048) in bf16 with compile and activation checkpointing; then a
-Llama-3.2-3B shape in bf16 and in fp8 (torchao float8, rowwise), same settings. The model,
+Llama-3.2-3B shape in bf16 and in fp8 (torchao float8, rowwise), same settings; then a
+Qwen3-MoE shape (Qwen3-30B-A3B's layers, 6 of them) in bf16, MFU over its active parameters. The model,
 optimizer, precision, fp8 conversion, compile and checkpointing are kiln's own; the tokens are
 random (throughput does not depend on them). Each row runs in its own subprocess (its own
 peak memory, its own compile caches, and an out-of-memory row does not stop the others).
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT))  # kiln from this checkout
 
 # Llama-3.2-3B's shape (its config.json), on top of the 1B preset's vocabulary and RoPE.
 LLAMA_3B = dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, intermediate_size=8192)
+QWEN3_MOE = dict(preset="qwen3-30b-a3b", n_layers=6)
 
 
 @dataclass
@@ -44,6 +46,10 @@ CASES = {
     "1b-bf16": Case({}, "bf16", batch=8, seq=2048),
     "3b-bf16": Case(LLAMA_3B, "bf16", batch=8, seq=2048),
     "3b-fp8": Case(LLAMA_3B, "fp8", batch=8, seq=2048),
+    # Qwen3-30B-A3B's layers (128 experts, 8 per token, grouped GEMMs), 6 of its 48: ~4B
+    # parameters, 0.6B active; weights, gradients and AdamW state fit one H200.
+    "moe-bf16": Case(QWEN3_MOE, "bf16", batch=4, seq=2048,
+                     smoke_shape=dict(moe=dict(n_experts=8, top_k=2, intermediate_size=32))),
 }
 SMOKE = dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128)
 
@@ -68,7 +74,8 @@ def run_case(name: str, smoke: bool, warmup: int, steps: int) -> dict:
     precision_cfg = dict(dtype=case.precision, fp8_emulate=smoke,
                          fp8_min_dim=32 if smoke else PrecisionConfig().fp8_min_dim)
     cfg = JobConfig.model_validate({
-        "model": {"preset": "llama-3.2-1b", "max_seq_len": seq, **(SMOKE if smoke else case.shape)},
+        "model": {"preset": "llama-3.2-1b", "max_seq_len": seq,
+                  **({**SMOKE, **case.smoke_shape} if smoke else case.shape)},
         "data": {"seq_len": seq}, "precision": precision_cfg,
         "train": {"compile": not smoke, "activation_checkpointing": True}})
     hw = detect_hardware(device, probe=False)
