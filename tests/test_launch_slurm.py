@@ -35,9 +35,6 @@ TINY = {
     "metrics": dict(peak_tflops=0.1, progress_bar="off"),
     "checkpoint": dict(interval=10, keep_last=None),
 }
-NOT_YET_DISTRIBUTED = ("kiln train does not yet join torchrun's process group (issue 12) nor "
-                       "checkpoint on SIGTERM (issue 16, in the trainer): two ranks would write "
-                       "the same run directory")
 
 
 def write_job(directory: Path, **train) -> Path:
@@ -215,7 +212,6 @@ def test_warned_job_checkpoints_requeues_and_resumes_same_losses(slurm_env, tmp_
     assert sorted(expected) == list(range(1, 61))
 
 
-@pytest.mark.xfail(run=False, reason=NOT_YET_DISTRIBUTED)
 def test_two_process_job_trains_to_completion(slurm_env, tmp_path):
     job = write_job(tmp_path, max_steps=30)
     run_dir = tmp_path / "runs" / "tiny"
@@ -231,7 +227,6 @@ def test_two_process_job_trains_to_completion(slurm_env, tmp_path):
     assert committed_steps(run_dir)[-1] == 30
 
 
-@pytest.mark.xfail(run=False, reason=NOT_YET_DISTRIBUTED)
 def test_sigterm_to_two_process_job_checkpoints_at_that_step_and_resumes_same_losses(
         slurm_env, tmp_path):
     """`scancel --signal=TERM` (every process of the step) at a random step: all ranks agree at

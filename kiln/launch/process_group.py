@@ -48,7 +48,8 @@ def process_group(device_type: str, timeout_s: float = 1800.0) -> Iterator[None]
     if rank != 0:
         sys.stdout = open(os.devnull, "w")
         warnings.simplefilter("ignore")
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, timeout=timeout, **_attempt_store(world, timeout))
     try:
         yield
     finally:
@@ -56,3 +57,24 @@ def process_group(device_type: str, timeout_s: float = 1800.0) -> Iterator[None]
             sys.stdout.close()
             sys.stdout = stdout
         dist.destroy_process_group()
+
+
+def _attempt_store(world: int, timeout: timedelta) -> dict:
+    """The store of this torchrun attempt, when torchrun restarted the workers.
+
+    torchrun (2.4 and later) keeps one TCPStore server for the whole launch and its workers use
+    it without a per-attempt prefix, so workers restarted after a failure (--max-restarts)
+    read the addresses the dead ones published and fail to connect ("Gloo connectFullMesh
+    failed ... Connection refused"; pytorch issue 167288). Keys under
+    /worker/attempt_<TORCHELASTIC_RESTART_COUNT> (what torchrun itself did before 2.4) keep
+    each attempt to its own. Empty (the environment's store as is) outside torchrun's agent
+    store."""
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"/worker/attempt_{attempt}", store),
+            "rank": int(os.environ["RANK"]), "world_size": world}
