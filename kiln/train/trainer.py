@@ -71,7 +71,7 @@ class Trainer:
         self.dp_group = dp_group(run.mesh)
         # guards.skip_bad_steps: each step's loss and gradient norm are checked before the update.
         self.guard = StepGuard.from_config(self.cfg.guards) if self.cfg.guards.skip_bad_steps else None
-        self.action, self.bad_steps, self.step = Action.APPLY, 0, 0
+        self.action, self.step = Action.APPLY, 0
         self.pp_group = run.pipeline.group if run.pipeline is not None else None
 
     # -- one step ------------------------------------------------------------------------------
@@ -184,7 +184,6 @@ class Trainer:
                     step, result.tokens = restored.step, restored.tokens
                     pending.clear()
                     continue
-                self.bad_steps += self.action != Action.APPLY
                 self.action = Action.APPLY
                 busy += time.perf_counter() - step_start
                 watchdog.beat()
@@ -208,7 +207,8 @@ class Trainer:
                     log.log({"step": step, "loss": losses[-1], "lr": lr, "grad_norm": grad_norms[-1],
                              "tokens_per_s": tps, "mfu": tps * flops_tok / peak,
                              "peak_mem_mb": mem, "tokens": result.tokens,
-                             **({"bad_steps": self.bad_steps} if self.guard is not None else {}),
+                             # each bad step once, also when a rollback replays past it
+                             **({"bad_steps": len(self.guard.bad_steps)} if self.guard is not None else {}),
                              **run.data.train.window_stats(steps_in_window),
                              **moe_metrics(self.model, self.dp_group),
                              **rank_health(busy / steps_in_window, mem, run.device)})
