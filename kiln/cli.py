@@ -10,7 +10,7 @@ from pathlib import Path
 from kiln import launch
 from kiln.config import load_config
 from kiln.errors import KilnError, Preempted
-from kiln.launch.process_group import env_rank_world, rank_label
+from kiln.launch.process_group import env_rank_world, lost_peer, rank_label
 from kiln.urls import scrub_credentials
 
 
@@ -358,5 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         print("kiln: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 (the point: no exception leaves without a word)
+        if (lost := lost_peer(e)) is not None:  # another process died: not a bug here
+            print(f"kiln: error{rank_label()}: {lost}", file=sys.stderr)
+            return 1
         _report_bug(e)
         return 1

@@ -23,6 +23,28 @@ def rank_label() -> str:
     return f" (rank {rank} of {world})" if world > 1 else ""
 
 
+# What gloo's collectives raise when the process at the other end is gone.
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """A one-paragraph message when error is a collective failing because another process of
+    the job died (killed, out of memory, its own error): not a bug here, and what to look at;
+    None for anything else."""
+    _, world = env_rank_world()
+    if world == 1 or not isinstance(error, RuntimeError):
+        return None
+    text = str(error)
+    gone = next((s for s in _PEER_GONE if s in text), None)
+    if gone is None:
+        return None
+    first = text[:text.index(gone) + len(gone)].strip()[-300:]  # gloo's own advice cut off
+    return (f"lost contact with another process of the job ({first}). That process stopped "
+            f"first (killed, out of memory, or its own error, shown above or in its log); this "
+            f"one cannot go on without it. Under torchrun --max-restarts (or a launcher's "
+            f"restart policy) the job restarts and resumes from its last committed checkpoint")
+
+
 @contextmanager
 def process_group(device_type: str, timeout_s: float = 1800.0) -> Iterator[None]:
     """Initialise the default process group from torchrun's environment for the block:
