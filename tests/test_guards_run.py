@@ -89,8 +89,9 @@ def test_hung_step_dumps_every_rank_stack_and_exits_for_a_restart(tmp_path, monk
               for rank in (0, 1)}
     why = failure(output) + "\n" + "\n".join(f"rank {r}:\n{t[-3000:]}" for r, t in stderr.items())
     assert code != 0, why
-    # rank 0 exited on its own with the restart status (torchrun's summary of the failure).
-    assert re.search(r"rank\s*: 0 \(local_rank: 0\)\s+exitcode\s*: 75\b", output), why
+    # The first rank whose watchdog ran out exited with the restart status (torchrun's summary
+    # of the failure); rank 0's own log says it did so (whichever of the two was first).
+    assert re.search(r"exitcode\s*: 75\b", output), why
     first, last = stderr[0].split("kiln: hang watchdog (")[1:3]
     assert first.startswith("pid") and "rank 0): no step finished for" in first, why
     assert "in injected_hang" in first and "in hanging_train_step" in first, why
