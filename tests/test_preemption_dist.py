@@ -14,7 +14,6 @@ assertion message)."""
 import json
 import os
 import random
-import re
 import signal
 import sys
 import time
