@@ -633,9 +633,10 @@ def test_one_long_line_without_whitespace_keeps_memory_bounded(here):
 
 def test_ctrl_c_stops_prepare_workers_without_tracebacks(here):
     rng = np.random.default_rng(3)
-    with open(here / "big.jsonl", "w") as f:
-        for _ in range(4000):
-            f.write(json.dumps({"text": " ".join(rng.choice(WORDS, 400))}) + "\n")
+    lines = [json.dumps({"text": " ".join(rng.choice(WORDS, 400))}) + "\n" for _ in range(1000)]
+    with open(here / "big.jsonl", "w") as f:  # ~5 s of work on a quiet machine: Ctrl-C finds it busy
+        for _ in range(16):
+            f.writelines(lines)
     proc = subprocess.Popen([sys.executable, "-m", "kiln", "prepare", "big.jsonl", "--tokenizer",
                              "tok", "--out", "big", "--workers", "2"], cwd=here,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
