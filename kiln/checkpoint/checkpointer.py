@@ -2,7 +2,8 @@
 
 One checkpoint holds the model, the optimizer, the LR schedule, the step/token/time counters,
 and per rank the data-loader position and every RNG state, so a resumed run continues the
-same loss curve. DCP writes each rank's shards and can load them into another number of ranks.
+same loss curve; with guards.skip_bad_steps also the bad-step guard's state (one entry for all
+ranks). DCP writes each rank's shards and can load them into another number of ranks.
 """
 
 from __future__ import annotations

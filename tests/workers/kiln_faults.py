@@ -11,7 +11,8 @@ KILN_FAULT_HANG=6       rank 0 blocks for good at the start of that step (`injec
 KILN_FAULT_PIDS=DIR     each process writes DIR/rank<R>.pid (restart<N>) when it starts
 KILN_FAULT_EXITS=FILE   each process appends "rank R restart N exit CODE" when the CLI returns
 
-The hooks wrap kiln's own functions; nothing of kiln is changed for them.
+The hooks wrap kiln's own functions; nothing of kiln is changed for them. Imported (not run as
+a script), the module installs only what its environment asks for: tests take `spiking` from it.
 """
 
 import os
