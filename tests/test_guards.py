@@ -2,6 +2,7 @@
 only raise a flag (and that all ranks agree on), and a watchdog that dumps the stacks of a hung
 process and ends it with the restart status."""
 
+import json
 import math
 import os
 import random
@@ -83,6 +84,21 @@ def test_state_dict_round_trip_gives_the_same_decisions():
     assert b.spike_threshold() == a.spike_threshold() and len(b.bad_steps) == 1
     for loss in (3.0, 3.4, 40.0):
         assert a.check(32, loss, 1.0) is b.check(32, loss, 1.0)
+
+
+def test_state_saved_mid_streak_as_json_still_rolls_back_after_it():
+    # A checkpoint can fall between two bad steps of a streak: the restored guard still asks
+    # for the rollback the uninterrupted run takes. (Older checkpoints have no streak.)
+    a = warmed(StepGuard(min_history=20, rollback_after=2))
+    assert a.check(31, math.nan, 1.0, position={"position": 64}) is Action.SKIP
+    saved = json.loads(json.dumps(a.state_dict()))  # as a checkpoint holds it
+    b = StepGuard(min_history=20, rollback_after=2)
+    b.load_state_dict(saved)
+    assert json.dumps(b.state_dict()) == json.dumps(a.state_dict())  # NaN != NaN: as text
+    assert b.check(32, math.inf, 1.0) is a.check(32, math.inf, 1.0) is Action.ROLLBACK
+    c = StepGuard(min_history=20, rollback_after=2)
+    c.load_state_dict({k: v for k, v in saved.items() if k != "streak"})
+    assert c.check(32, math.inf, 1.0) is Action.SKIP and len(c.bad_steps) == 2
 
 
 def test_built_from_the_job_config():

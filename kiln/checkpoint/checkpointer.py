@@ -2,11 +2,13 @@
 
 One checkpoint holds the model, the optimizer, the LR schedule, the step/token/time counters,
 and per rank the data-loader position and every RNG state, so a resumed run continues the
-same loss curve. DCP writes each rank's shards and can load them into another number of ranks.
+same loss curve; with guards.skip_bad_steps also the bad-step guard's state (one entry for all
+ranks). DCP writes each rank's shards and can load them into another number of ranks.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -65,6 +67,9 @@ class Resumed:
     """Config fields that differ from the checkpoint's: {'optim.lr': [old, new], ...}."""
     files: dict[str, str]
     """The run files saved with the checkpoint (RUN_FILES), by name."""
+    guard: dict | None = None
+    """The bad-step guard's state (StepGuard.state_dict()) at that step; None when the
+    checkpoint has none (saved without guards, or by an older kiln)."""
 
 
 def rng_state() -> dict:
@@ -133,6 +138,9 @@ class Checkpointer:
         # The best checkpoint by tracking.best_metric: retention always keeps it.
         self.best = BestCheckpoint(self.run_dir, cfg.tracking.best_metric, cfg.tracking.best_mode)
         self.last_saved: int | None = None
+        # The bad-step guard (kiln.train.guards.StepGuard), set by the trainer: its spike window,
+        # bad-step count and skip list go into every checkpoint, so a restart keeps them.
+        self.guard = None
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -157,7 +165,7 @@ class Checkpointer:
             url = self.storage.step_url(step)
         if self.group is not None:
             dist.barrier(self.group)
-        state = self._state(progress, f"rank{self.rank}")
+        state = self._state(progress, f"rank{self.rank}", with_guard=self.guard is not None)
         writer = (FsspecWriter(url, sync_files=False, **self.storage.options) if is_url(url)
                   else dcp.FileSystemWriter(url, sync_files=True))
         kwargs = dict(storage_writer=writer, process_group=self.group, no_dist=self.group is None)
@@ -231,10 +239,10 @@ class Checkpointer:
         if committed is None:
             return None
         storage = self.storage if root == self.storage.root else Storage(root, self.ccfg.endpoint_url)
-        progress = self._load(committed, storage)
+        progress, guard = self._load(committed, storage)
         changes = self._config_changes(storage, committed.step)
         files = {n: t for n in RUN_FILES if (t := storage.read_text(committed.step, n)) is not None}
-        return Resumed(progress, redact(committed.url), changes, files)
+        return Resumed(progress, redact(committed.url), changes, files, guard)
 
     def _choose(self, resume: str) -> tuple[Committed | None, Storage]:
         if resume == "none":
@@ -270,20 +278,24 @@ class Checkpointer:
                 print(f"kiln: skipping checkpoint {redact(committed.url)}: {e}", flush=True)
         return None, storage
 
-    def _state(self, progress: Progress, rank_key: str, with_cuda: bool = True) -> dict:
+    def _state(self, progress: Progress, rank_key: str, with_cuda: bool = True,
+                with_guard: bool = False) -> dict:
         # Frozen parameters (an adapter run's base) are not saved: they come from the base.
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=StateDictOptions(
             flatten_optimizer_state_dict=True, ignore_frozen_params=True))
         rng = rng_state()
         if not with_cuda:
             rng.pop("cuda", None)
-        return {"model": model_state, "optim": optim_state,
-                "train": {"step": progress.step, "tokens": progress.tokens,
-                          "elapsed": progress.elapsed, "scheduler": self.scheduler.state_dict(),
-                          "world_size": self.world},
+        train = {"step": progress.step, "tokens": progress.tokens, "elapsed": progress.elapsed,
+                 "scheduler": self.scheduler.state_dict(), "world_size": self.world}
+        if with_guard:
+            # One JSON string, the same on every rank (the guard decides on all-reduced values):
+            # a single replicated entry, taken now (an async save must not see later steps).
+            train["guard"] = json.dumps(self.guard.state_dict()) if self.guard is not None else ""
+        return {"model": model_state, "optim": optim_state, "train": train,
                 rank_key: {"rng": rng, "data": self.loader.state_dict()}}
 
-    def _load(self, committed: Committed, storage: Storage) -> Progress:
+    def _load(self, committed: Committed, storage: Storage) -> tuple[Progress, dict | None]:
         reader = reader_for(committed.url, storage.options)
         saved = reader.read_metadata().state_dict_metadata
         self._check_shapes(committed, saved)
@@ -293,7 +305,9 @@ class Checkpointer:
                   f"{self.world}; ranks without their own data position and RNG take rank 0's", flush=True)
         # Hyperparameters come from this run's config, state from the checkpoint.
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        state = self._state(Progress(), rank_key, with_cuda=f"{rank_key}.rng.cuda" in saved)
+        # A checkpoint without guard state (older, or saved without guards) loads as before.
+        state = self._state(Progress(), rank_key, with_cuda=f"{rank_key}.rng.cuda" in saved,
+                            with_guard="train.guard" in saved)
         dcp.load(state, storage_reader=reader_for(committed.url, storage.options),
                  process_group=self.group, no_dist=self.group is None)
         frozen = bool(_frozen(self.model))  # absent from the checkpoint: not strict about them
@@ -309,7 +323,8 @@ class Checkpointer:
         set_rng_state(state[rank_key]["rng"])
         self.loader.load_state_dict(state[rank_key]["data"])
         self.last_saved = train["step"]
-        return Progress(train["step"], train["tokens"], train["elapsed"])
+        guard = json.loads(train["guard"]) if train.get("guard") else None
+        return Progress(train["step"], train["tokens"], train["elapsed"]), guard
 
     def _check_shapes(self, committed: Committed, saved: dict) -> None:
         frozen = _frozen(self.model)

@@ -126,15 +126,18 @@ class StepGuard:
         return step in self._skip
 
     def state_dict(self) -> dict:
-        return {"window": list(self._window), "bad_steps": [asdict(b) for b in self.bad_steps],
-                "skip": sorted(self._skip)}
+        """Plain lists and numbers (JSON): what a checkpoint keeps, so a restarted run takes the
+        same decisions and keeps counting toward max_bad_steps."""
+        return {"window": [[s, loss] for s, loss in self._window],
+                "bad_steps": [asdict(b) for b in self.bad_steps], "skip": sorted(self._skip),
+                "streak": list(self._streak)}
 
     def load_state_dict(self, state: dict) -> None:
         self._window.clear()
         self._window.extend((int(s), float(loss)) for s, loss in state["window"])
         self.bad_steps = [BadStep(**b) for b in state["bad_steps"]]
-        self._skip = set(state["skip"])
-        self._streak.clear()
+        self._skip = {int(s) for s in state["skip"]}
+        self._streak = [int(s) for s in state.get("streak", [])]
 
 
 def all_ranks_agree(flag: bool, device: Any = "cpu") -> bool:

@@ -71,6 +71,9 @@ class Trainer:
         self.dp_group = dp_group(run.mesh)
         # guards.skip_bad_steps: each step's loss and gradient norm are checked before the update.
         self.guard = StepGuard.from_config(self.cfg.guards) if self.cfg.guards.skip_bad_steps else None
+        if self.guard is not None and run.resumed is not None and run.resumed.guard is not None:
+            self.guard.load_state_dict(run.resumed.guard)  # a restart keeps counting bad steps
+        run.checkpointer.guard = self.guard  # saved with every checkpoint
         self.action, self.step = Action.APPLY, 0
         self.pp_group = run.pipeline.group if run.pipeline is not None else None
 
@@ -138,6 +141,8 @@ class Trainer:
         resumed = ckpt.restore("auto")
         if resumed is None:
             return None
+        # The guard keeps its own state, not the checkpoint's: that one predates the bad steps
+        # this rollback is about (their count and the batches to skip).
         skipped = self.guard.rolled_back(resumed.progress.step)
         log.log({"step": self.step, "rolled_back_to": resumed.progress.step,
                  "skipping_steps": sorted(skipped)})

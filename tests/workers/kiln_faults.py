@@ -11,7 +11,8 @@ KILN_FAULT_HANG=6       rank 0 blocks for good at the start of that step (`injec
 KILN_FAULT_PIDS=DIR     each process writes DIR/rank<R>.pid (restart<N>) when it starts
 KILN_FAULT_EXITS=FILE   each process appends "rank R restart N exit CODE" when the CLI returns
 
-The hooks wrap kiln's own functions; nothing of kiln is changed for them.
+The hooks wrap kiln's own functions; nothing of kiln is changed for them. Imported (not run as
+a script), the module installs only what its environment asks for: tests take `spiking` from it.
 """
 
 import os
@@ -33,19 +34,24 @@ def injected_hang() -> None:
     threading.Event().wait()
 
 
-if SPIKE:
-    plain_forward_backward = Trainer.forward_backward
+def spiking(plain_forward_backward, steps: set[int]):
+    """Trainer.forward_backward with those steps' loss and gradients x50 (also in-process:
+    tests import this module and monkeypatch Trainer with it)."""
 
     def spiking_forward_backward(self, batches):
         loss = plain_forward_backward(self, batches)
-        if self.step + 1 in SPIKE:
+        if self.step + 1 in steps:
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(50.0)
             loss = loss * 50.0
         return loss
 
-    Trainer.forward_backward = spiking_forward_backward
+    return spiking_forward_backward
+
+
+if SPIKE:
+    Trainer.forward_backward = spiking(Trainer.forward_backward, SPIKE)
 
 if HANG:
     plain_train_step = Trainer.train_step
@@ -57,13 +63,14 @@ if HANG:
 
     Trainer.train_step = hanging_train_step
 
-if os.environ.get("KILN_FAULT_PIDS"):
-    pid_dir = Path(os.environ["KILN_FAULT_PIDS"])
-    pid_dir.mkdir(parents=True, exist_ok=True)
-    (pid_dir / f"rank{RANK}.pid").write_text(f"{os.getpid()} restart{RESTART}\n")
+if __name__ == "__main__":
+    if os.environ.get("KILN_FAULT_PIDS"):
+        pid_dir = Path(os.environ["KILN_FAULT_PIDS"])
+        pid_dir.mkdir(parents=True, exist_ok=True)
+        (pid_dir / f"rank{RANK}.pid").write_text(f"{os.getpid()} restart{RESTART}\n")
 
-code = main(sys.argv[1:])
-if os.environ.get("KILN_FAULT_EXITS"):
-    with open(os.environ["KILN_FAULT_EXITS"], "a") as f:
-        f.write(f"rank {RANK} restart {RESTART} exit {code}\n")
-sys.exit(code)
+    code = main(sys.argv[1:])
+    if os.environ.get("KILN_FAULT_EXITS"):
+        with open(os.environ["KILN_FAULT_EXITS"], "a") as f:
+            f.write(f"rank {RANK} restart {RESTART} exit {code}\n")
+    sys.exit(code)
