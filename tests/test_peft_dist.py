@@ -1,5 +1,6 @@
-"""LoRA under FSDP2: `torchrun -m kiln train` over 2 ranks (gloo) gives the single-process
-losses and adapter, the base sharded and frozen on both ranks."""
+"""LoRA and QLoRA under FSDP2: `torchrun -m kiln train` over 2 ranks (gloo) gives the
+single-process losses and adapter, the base sharded and frozen on both ranks (QLoRA's as NF4
+codes and scales, quantised whole and then split, so both runs hold the same base)."""
 
 import json
 
@@ -12,12 +13,13 @@ from test_peft import base, job  # noqa: F401  (base: the module-scoped Hugging 
 from kiln.train.trainer import train
 
 
-def test_lora_over_two_fsdp2_ranks_equals_one_process(tmp_path, base):  # noqa: F811
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_adapter_over_two_fsdp2_ranks_equals_one_process(tmp_path, base, method):  # noqa: F811
     # The same global batch of 8 sequences: 2 ranks x 4, or 1 process x 2 micro-batches of 4.
     common = dict(train={"global_batch_size": 8, "num_threads": 1}, checkpoint={"interval": None})
-    single = job(tmp_path / "single", base, "lora", steps=4, **common)
+    single = job(tmp_path / "single", base, method, steps=4, **common)
     reference = train(single)
-    sharded = job(tmp_path / "sharded", base, "lora", steps=4, parallel={"dp_shard": 2}, **common)
+    sharded = job(tmp_path / "sharded", base, method, steps=4, parallel={"dp_shard": 2}, **common)
     config = tmp_path / "sharded.yaml"
     config.write_text(sharded.to_yaml())
     torchrun(["-m", "kiln", "train", str(config)], timeout=300)

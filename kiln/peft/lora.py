@@ -12,9 +12,11 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kiln.config import JobConfig, PeftConfig
 from kiln.errors import KilnError
+from kiln.launch.layout import Layout
 from kiln.parallel.dtensor import copy_full_into, full_tensor
 
 # Where each target lives in a block: attention or MLP.
@@ -88,8 +90,14 @@ class LoRALinear(nn.Module):
         return (scale - 1) * base + scale * lora * self.scaling
 
     def dense_weight(self) -> torch.Tensor:
-        """The base weight as a plain tensor (dequantised for QLoRA)."""
-        return self.weight.get_original_weight() if self.nf4 else self.weight
+        """The base weight as a plain tensor (dequantised for QLoRA; a DTensor stays one)."""
+        if not self.nf4:
+            return self.weight
+        if isinstance(self.weight, DTensor):  # FSDP2's shard, between forwards: its rows
+            w = self.weight
+            return DTensor.from_local(w.to_local().get_original_weight(), w.device_mesh,
+                                      w.placements, shape=w.shape, stride=w.stride())
+        return self.weight.get_original_weight()
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
@@ -127,9 +135,11 @@ def adapter_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
-def apply_tuning(model: nn.Module, cfg: JobConfig) -> nn.Module:
+def apply_tuning(model: nn.Module, cfg: JobConfig, shards: int = 1) -> nn.Module:
     """Freeze the base and wrap the target linear layers of every block (in place, on any
-    device, meta too; before parallelize). A no-op for peft.method full."""
+    device, meta too; before parallelize). For QLoRA the base weights become NF4Tensors (on
+    the meta device: their layout, filled when the weights are loaded), to be split over
+    `shards` FSDP2 ranks. A no-op for peft.method full."""
     pcfg: PeftConfig = cfg.peft
     if pcfg.method == "full":
         return model
@@ -141,22 +151,22 @@ def apply_tuning(model: nn.Module, cfg: JobConfig) -> nn.Module:
             setattr(parent, target, LoRALinear(
                 getattr(parent, target), pcfg.rank, pcfg.alpha, pcfg.dropout, pcfg.rslora,
                 dora=pcfg.method == "dora"))
+    if pcfg.method == "qlora":
+        from kiln.peft.qlora import quantize_base
+
+        quantize_base(model, shards)
     return model
 
 
 @torch.no_grad()
 def finalize_tuning(model: nn.Module, cfg: JobConfig) -> nn.Module:
     """After the weights are materialised and initialised or loaded: give the adapters their
-    own initialisation (init_weights drew them as base weights) and, for QLoRA, quantise the
-    base to NF4 (it must hold its real weights first)."""
+    own initialisation (init_weights drew them as base weights). QLoRA's NF4 base was
+    quantised as it was loaded (kiln.parallel.dtensor.copy_full_into)."""
     if cfg.peft.method == "full":
         return model
     for name, layer in adapter_layers(model):
         layer.init_adapter(cfg.train.seed, name)
-    if cfg.peft.method == "qlora":
-        from kiln.peft.qlora import quantize_base
-
-        quantize_base(model)
     return model
 
 
@@ -177,7 +187,7 @@ def trainable_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def check_layout(cfg: JobConfig, world_size: int) -> None:
+def check_layout(cfg: JobConfig, layout: Layout) -> None:
     """Combinations not supported yet, as a clear error before anything is built."""
     if cfg.peft.method != "full" and cfg.precision.dtype == "fp8":
         raise KilnError(f"peft.method {cfg.peft.method} with precision.dtype fp8: adapters over "
@@ -186,7 +196,8 @@ def check_layout(cfg: JobConfig, world_size: int) -> None:
         raise KilnError(f"peft.method {cfg.peft.method} with parallel.tp={cfg.parallel.tp}: tensor "
                         "parallel plans for adapter layers are not written yet; shard the base "
                         "with dp_shard (FSDP2) instead")
-    if cfg.peft.method == "qlora" and world_size > 1:
-        raise KilnError(f"peft.method qlora runs in one process (this job has {world_size}): "
-                        "sharding an NF4 base over FSDP2 ranks is not wired in yet; use "
-                        "peft.method lora with dp_shard to spread the base over ranks instead")
+    if cfg.peft.method == "qlora" and (layout.pp > 1 or layout.dp_replicate > 1):
+        raise KilnError(f"peft.method qlora with {layout}: QLoRA runs in one process or sharded "
+                        "over dp_shard (FSDP2) ranks; pipeline stages and replicas (pp, "
+                        "dp_replicate) of an NF4 base are not wired in. Use dp_shard for all "
+                        "ranks, or peft.method lora")

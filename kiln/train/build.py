@@ -78,7 +78,7 @@ def build(cfg: JobConfig, resume: str = "auto") -> Run:
     rank, world = rank_world()
     device_type = resolve_device(tcfg.device).type
     layout = resolve_layout(cfg.parallel, world, cfg.model, cfg.data.seq_len, device_type)
-    check_layout(cfg, world)
+    check_layout(cfg, layout)
     device = device_for_rank(device_type) if world > 1 else resolve_device(tcfg.device)
     torch.set_num_threads(tcfg.num_threads or max(1, (os.cpu_count() or 1) // _local_world()))
     seed_everything(tcfg.seed)
@@ -165,7 +165,7 @@ def build_model(cfg: JobConfig, mesh, device: torch.device, hardware=None,
         shard = mesh is not None and mesh["dp_shard"].size() > 1
         convert_to_float8(model, cfg.precision, hardware or detect_hardware(device),
                           fsdp_float8_all_gather=cfg.precision.fp8_recipe == "tensorwise" and shard)
-    apply_tuning(model, cfg)
+    apply_tuning(model, cfg, shards=1 if mesh is None else mesh["dp_shard"].size())
     parallelize(model, mesh, cfg)
     model.to_empty(device=device)
     model.tie_weights()
