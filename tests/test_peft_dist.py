@@ -10,6 +10,10 @@ from safetensors.torch import load_file
 
 from conftest import torchrun
 from test_peft import base, job  # noqa: F401  (base: the module-scoped Hugging Face base fixture)
+from kiln.errors import KilnError
+from kiln.launch.layout import Layout
+from kiln.models.transformer import Transformer
+from kiln.peft import apply_tuning, check_layout
 from kiln.train.trainer import train
 
 
@@ -33,3 +37,17 @@ def test_adapter_over_two_fsdp2_ranks_equals_one_process(tmp_path, base, method)
     # equal to well under one step.
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, atol=2e-3, rtol=0)
+
+
+def test_qlora_layouts_it_cannot_shard_are_refused(tmp_path, base):  # noqa: F811
+    cfg = job(tmp_path, base, "qlora")
+    with pytest.raises(KilnError, match=r"qlora with pp=2.*not wired in"):
+        check_layout(cfg, Layout(pp=2))
+    with pytest.raises(KilnError, match=r"qlora with dp_replicate=2 x dp_shard=2.*not wired in"):
+        check_layout(cfg, Layout(dp_replicate=2, dp_shard=2))
+    check_layout(cfg, Layout(dp_shard=4))  # FSDP2 alone is what runs
+    # Three ranks cannot each get whole rows of the 64-row q projection.
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    with pytest.raises(KilnError, match=r"dp_shard=3: layers\.0\.attn\.q\.weight \[64, 64\] does not split"):
+        apply_tuning(model, cfg, shards=3)
