@@ -35,13 +35,13 @@ _NF4_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
 def scaler_block(n_blocks: int) -> int:
     """Block scales per group for a weight of n_blocks blocks: the largest power of two up to
     SCALER_BLOCK giving a number of groups divisible by SPLITS, or else merely dividing n_blocks."""
-    for splits in (SPLITS, 1):
+    def largest(splits: int) -> int:
         scaler = SCALER_BLOCK
         while scaler > 1 and n_blocks % (scaler * splits):
             scaler //= 2
-        if scaler > 1 or splits == 1:
-            return scaler
-    raise AssertionError("unreachable")
+        return scaler
+
+    return largest(SPLITS) if largest(SPLITS) > 1 else largest(1)
 
 
 def to_nf4(weight: torch.Tensor) -> torch.Tensor:
