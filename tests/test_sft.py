@@ -262,6 +262,7 @@ def test_docstring_pairs_strip_the_docstring_and_split_by_module():
     found = function_pairs("m.py", text)
     assert [(p.name, p.source, p.docstring) for p in found] == [
         ("f", "@staticmethod\ndef f(x, y=1):\n    return x + y\n", "Add y to x.\n\nReturns the sum.")]
+    assert found[0].summary == "Add y to x." and found[0].messages()[1]["content"] == "Add y to x."
     train, held_out, _ = docstring_pairs(0.2, max_bytes=400_000)
     train_modules = {p.module for p in train}
     held_modules = {p.module for p in held_out}
@@ -287,7 +288,7 @@ def test_quickstart_sft_config_builds_its_docstring_data_on_a_small_slice(tmp_pa
     prompt, reply = examples.prompt_and_reply(0)
     held_out = list(docstring_pairs(0.2, max_bytes=400_000)[1])
     decoded = tok.tokenizer.decode(reply.tolist(), skip_special_tokens=False)
-    assert any(decoded.startswith(p.docstring) for p in held_out), decoded
+    assert any(decoded.startswith(p.summary) for p in held_out), decoded
     shown = show_rows(cfg, 2)
     assert shown.count("=== row") == 2 and OPEN in shown and CLOSE in shown
 

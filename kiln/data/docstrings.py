@@ -1,4 +1,5 @@
-"""The embedded fine-tuning task: write a standard library function's docstring from its source.
+"""The embedded fine-tuning task: write a standard library function's docstring summary from its
+source.
 
 Pairs come from `ast`: every function or method with a docstring on lines of its own and a
 body besides it gives (its source with the docstring lines removed, the docstring as
@@ -25,9 +26,15 @@ class Pair:
     """The function's source (decorators included, dedented) without its docstring."""
     docstring: str
 
+    @property
+    def summary(self) -> str:
+        """The docstring's summary (PEP 257: its first paragraph), on one line: the reply the task
+        trains on. The rest (arguments, examples, caveats) is beyond a model of the quickstart's size."""
+        return " ".join(self.docstring.split("\n\n")[0].split())
+
     def messages(self) -> list[dict]:
         return [{"role": "user", "content": self.source},
-                {"role": "assistant", "content": self.docstring}]
+                {"role": "assistant", "content": self.summary}]
 
 
 def function_pairs(module: str, text: str) -> list[Pair]:

@@ -104,7 +104,7 @@ def docstring_sets(cfg: JobConfig, run_dir: Path) -> ShardSets:
     options = PrepareOptions(progress=False, workers=1)
     sets = []
     for split, pairs in (("train", train), ("val", held_out)):
-        key = {"inputs": f"docstrings:{split}:{fingerprint}", **key_options(info, options)}
+        key = {"inputs": f"docstring-summaries:{split}:{fingerprint}", **key_options(info, options)}
         result = write_conversations(_conversations(pairs, split, cfg), key, chat,
                                      run_dir / "data" / f"docstrings-{split}", options)
         sets.append([("docstrings", ShardSet(result.out_dir, "train"))])
