@@ -640,7 +640,9 @@ def test_ctrl_c_stops_prepare_workers_without_tracebacks(here):
     proc = subprocess.Popen([sys.executable, "-m", "kiln", "prepare", "big.jsonl", "--tokenizer",
                              "tok", "--out", "big", "--workers", "2"], cwd=here,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            # A test run in the background (`cmd &`) inherits Ctrl-C ignored.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
     status = Path(f"/proc/{proc.pid}/status")
 
