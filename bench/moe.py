@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kiln from this checkout
-from throughput import BATCH, SEED, SEQ_LEN, THREADS, rss_mb  # noqa: E402  (bench/ is on the path)
+from throughput import BATCH, SEED, SEQ_LEN, THREADS, rss_mb, run_worker  # noqa: E402  (bench/ is on the path)
 
 ROWS = [("dense", None), ("moe grouped", "grouped"), ("moe loop", "loop")]
 MOE = dict(n_experts=8, top_k=2, intermediate_size=352, aux_loss_coef=0.01, router_z_loss_coef=1e-3)
@@ -72,12 +70,7 @@ def run(compute: str | None, precision: str, warmup: int, steps: int) -> dict:
 def spawn(name: str, precision: str, warmup: int, steps: int) -> dict:
     cmd = [sys.executable, __file__, "--worker", name, "--precision", precision,
            "--warmup", str(warmup), "--steps", str(steps)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return run_worker(cmd)
 
 
 def main() -> None:

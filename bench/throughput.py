@@ -178,6 +178,12 @@ def spawn(framework: str, precision: str, compile: bool, warmup: int, steps: int
         script, framework = str(Path(before) / "bench" / "throughput.py"), "kiln"
     cmd = [sys.executable, script, "--worker", framework, "--precision", precision,
            "--warmup", str(warmup), "--steps", str(steps)] + (["--compile"] if compile else [])
+    return run_worker(cmd)
+
+
+def run_worker(cmd: list[str]) -> dict:
+    """Run one benchmark worker in its own process (its own peak RSS) on THREADS threads and
+    return the JSON of its RESULT line."""
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in out.stdout.splitlines():

@@ -369,6 +369,8 @@ CASES = [
     ("s3-credentials-resume", _credentials("resume")),
     ("s3-credentials-export", _credentials("export")),
     ("s3-credentials-prepare", _credentials("prepare")),
+    # expert parallelism asked of a dense model
+    ("parallel-ep-dense-model", lambda h: (["train", job_file(h, parallel={"ep": 2})], ["parallel.ep=2"])),
 ]
 
 
