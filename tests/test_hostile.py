@@ -369,8 +369,10 @@ CASES = [
     ("s3-credentials-resume", _credentials("resume")),
     ("s3-credentials-export", _credentials("export")),
     ("s3-credentials-prepare", _credentials("prepare")),
-    # expert parallelism asked of a dense model
+    # expert parallelism asked of a dense model; QLoRA over a pipeline (refused before processes start)
     ("parallel-ep-dense-model", lambda h: (["train", job_file(h, parallel={"ep": 2})], ["parallel.ep=2"])),
+    ("qlora-over-pipeline", lambda h: (["train", job_file(h, peft={"method": "qlora"}, parallel={"pp": 2}),
+                                        "--nproc", "2"], ["qlora", "pp"])),
 ]
 
 

@@ -115,6 +115,11 @@ def device_type(name: str) -> str:
 
 
 def check_layout(cfg, world_size: int) -> tuple[Layout, str]:
-    """The job's layout on world_size processes and its device type, or a KilnError."""
+    """The job's layout on world_size processes and its device type, or a KilnError (also for a
+    tuning method that cannot run on that layout)."""
+    from kiln.peft import check_layout as check_tuning  # torch-heavy: only when a job is checked
+
     kind = device_type(cfg.train.device)
-    return resolve_layout(cfg.parallel, world_size, cfg.model, cfg.data.seq_len, kind), kind
+    layout = resolve_layout(cfg.parallel, world_size, cfg.model, cfg.data.seq_len, kind)
+    check_tuning(cfg, layout)
+    return layout, kind
