@@ -3,6 +3,7 @@ the same environment): created from the environment, destroyed at exit."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import warnings
@@ -78,6 +79,9 @@ def process_group(device_type: str, timeout_s: float = 1800.0) -> Iterator[None]
         if rank != 0:
             sys.stdout.close()
             sys.stdout = stdout
+        # Models, meshes and autograd graphs hold the groups; free them (cycles included) while
+        # the groups still exist, so none is torn down at interpreter exit, where gloo can abort.
+        gc.collect()
         dist.destroy_process_group()
 
 
