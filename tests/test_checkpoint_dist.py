@@ -14,7 +14,7 @@ from kiln.models.transformer import Transformer
 from kiln.train.optim import build_optimizer
 
 WORKER = """
-import json, sys
+import gc, json, sys
 import torch, torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -52,6 +52,9 @@ ckpt.close()
 full = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 if dist.get_rank() == 0:
     torch.save(full, sys.argv[2])
+# Free what holds the process group (DTensors, FSDP hooks) before destroying it, not at exit.
+del model, optimizer, scheduler, ckpt, full
+gc.collect()
 dist.destroy_process_group()
 """
 
