@@ -498,9 +498,11 @@ class PeftConfig(Section):
     """Dropout on the adapters' input during training (the base path sees none)."""
     rslora: bool = False
     """Rank-stabilised LoRA: scale by alpha / sqrt(rank), so higher ranks keep learning."""
-    target_modules: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = [
+    target_modules: list[Literal["q", "k", "v", "o", "gate", "up", "down", "lm_head"]] = [
         "q", "k", "v", "o", "gate", "up", "down"]
-    """Which linear layers of every block get an adapter (attention q/k/v/o, MLP gate/up/down)."""
+    """Which linear layers get an adapter: attention q/k/v/o and MLP gate/up/down of every
+    block, and the output projection lm_head (its weight stays frozen, and stays the
+    embedding's when tied: the adapter changes the logits, not the input embedding)."""
 
     @model_validator(mode="after")
     def _check_targets(self) -> PeftConfig:

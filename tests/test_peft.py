@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint
 import transformers
 from safetensors.torch import load_file, save_file
 
@@ -30,9 +31,9 @@ TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_h
 ADAPTER = dict(rank=4, alpha=8.0)
 
 
-def hf_base(path, seed: int = 0):
+def hf_base(path, seed: int = 0, tie: bool = False):
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, tie_word_embeddings=tie))
     with torch.no_grad():  # HF ones norms; make every weight count
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -189,6 +190,44 @@ def test_peft_loads_the_exported_adapter_with_kiln_logits(tmp_path, lora_runs, m
                                                             dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(full(tokens()).logits, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["lora", "dora"])
+def test_adapter_on_a_tied_lm_head_round_trips_through_peft(tmp_path, method):
+    """lm_head as a target of a model whose output layer is its embedding: the adapter changes
+    the logits only (the lookup stays the base's, as in peft), and merging unties the two."""
+    import peft
+
+    base = hf_base(tmp_path / "tied", tie=True)
+    cfg = job(tmp_path / "run", base, method, peft={"target_modules": ["q", "v", "lm_head"]})
+    train(cfg)
+    ours = trained(cfg)
+    assert ours.lm_head.weight is ours.embed.weight and not ours.embed.weight.requires_grad
+    assert ours.lm_head.lora_B.weight.abs().max() > 0  # the head's adapter trained
+    # The tied base weight is stored nowhere, under neither of its names.
+    saved = torch.distributed.checkpoint.FileSystemReader(
+        cfg.run_dir / "checkpoints" / "step-000006").read_metadata().state_dict_metadata
+    assert all(is_adapter_name(n) for n in load_file(cfg.run_dir / "model.safetensors"))
+    assert all(is_adapter_name(n) for n in saved if n.startswith("model."))
+    out = tmp_path / "adapter"
+    assert main(["export-hf", str(cfg.run_dir), str(out), "--dtype", "fp32"]) == 0
+    assert "lm_head" in json.loads((out / "adapter_config.json").read_text())["target_modules"]
+    assert "base_model.model.lm_head.lora_B.weight" in set(load_file(out / "adapter_model.safetensors"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager",
+                                                          dtype=torch.float32)
+    theirs = peft.PeftModel.from_pretrained(hf, out).eval()
+    with torch.no_grad():
+        want = ours(tokens())
+        torch.testing.assert_close(theirs(tokens()).logits, want, atol=1e-5, rtol=0)
+
+    merged = tmp_path / "merged"
+    assert main(["export-hf", str(cfg.run_dir), str(merged), "--dtype", "fp32", "--merge"]) == 0
+    assert json.loads((merged / "config.json").read_text())["tie_word_embeddings"] is False
+    full = transformers.AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager",
+                                                            dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(full(tokens()).logits, want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(full.model.embed_tokens.weight, hf.get_input_embeddings().weight)
 
 
 def test_lora_run_trains_stores_no_base_and_resumes_exactly(tmp_path, lora_runs, base):

@@ -283,6 +283,8 @@ class Checkpointer:
         # Frozen parameters (an adapter run's base) are not saved: they come from the base.
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=StateDictOptions(
             flatten_optimizer_state_dict=True, ignore_frozen_params=True))
+        frozen = frozen_names(self.model)  # DCP keeps a tied frozen weight under its second name
+        model_state = {k: v for k, v in model_state.items() if k not in frozen}
         rng = rng_state()
         if not with_cuda:
             rng.pop("cuda", None)
@@ -310,7 +312,7 @@ class Checkpointer:
                             with_guard="train.guard" in saved)
         dcp.load(state, storage_reader=reader_for(committed.url, storage.options),
                  process_group=self.group, no_dist=self.group is None)
-        frozen = bool(_frozen(self.model))  # absent from the checkpoint: not strict about them
+        frozen = bool(frozen_names(self.model))  # absent from the checkpoint: not strict about them
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=StateDictOptions(
                            flatten_optimizer_state_dict=True, ignore_frozen_params=True,
@@ -327,7 +329,7 @@ class Checkpointer:
         return Progress(train["step"], train["tokens"], train["elapsed"]), guard
 
     def _check_shapes(self, committed: Committed, saved: dict) -> None:
-        frozen = _frozen(self.model)
+        frozen = frozen_names(self.model)
         ours = {f"model.{k}": tuple(v.shape) for k, v in self.model.state_dict().items() if k not in frozen}
         problems = []
         for key, shape in ours.items():
@@ -357,7 +359,7 @@ class Checkpointer:
                 if old.get(k) != new.get(k)}
 
 
-def _frozen(model: nn.Module) -> set[str]:
+def frozen_names(model: nn.Module) -> set[str]:
     """Names of the parameters that do not train (tied ones under each of their names)."""
     return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
 

@@ -73,6 +73,7 @@ def export_hf(source: str, out: str | Path, dtype: str = "bf16", endpoint_url: s
 
         if merge:
             weights = peft_export.merged_weights(cfg, weights, files, redact(str(source)))
+            model_cfg = peft_export.merged_model_config(cfg, model_cfg)
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:

@@ -17,7 +17,7 @@ from kiln.peft.adapter import ADAPTER_FILE, EXPORTED_FILE, AdapterInfo, check_ba
 from kiln.peft.lora import ADAPTER_PARAMS, is_adapter_name, merge_tuning
 
 HF_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
-              "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+              "gate": "gate_proj", "up": "up_proj", "down": "down_proj", "lm_head": "lm_head"}
 
 
 def peft_name(name: str) -> str:
@@ -89,3 +89,13 @@ def merged_weights(cfg: JobConfig, weights: dict[str, torch.Tensor], files: dict
                         f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})")
     merge_tuning(model)
     return {n: t.detach().float() for n, t in model.state_dict().items()}
+
+
+def merged_model_config(cfg: JobConfig, model_cfg):
+    """The merged model's shape: an adapter on a tied lm_head gives the output layer a weight of
+    its own (the embedding stays the base's), so the merged model is untied."""
+    if "lm_head" in cfg.peft.target_modules and model_cfg.tie_embeddings:
+        print("kiln: note: the adapter on lm_head is merged into an output layer of its own; the "
+              "merged model no longer ties it to the embedding (one more vocab x dim matrix)")
+        return model_cfg.model_copy(update={"tie_embeddings": False})
+    return model_cfg

@@ -145,12 +145,16 @@ def apply_tuning(model: nn.Module, cfg: JobConfig, shards: int = 1) -> nn.Module
         return model
     for p in model.parameters():
         p.requires_grad_(False)
+    def adapt(parent: nn.Module, name: str) -> None:
+        setattr(parent, name, LoRALinear(getattr(parent, name), pcfg.rank, pcfg.alpha, pcfg.dropout,
+                                         pcfg.rslora, dora=pcfg.method == "dora"))
+
     for block in model.layers.values():
         for target in pcfg.target_modules:
-            parent = getattr(block, TARGETS[target])
-            setattr(parent, target, LoRALinear(
-                getattr(parent, target), pcfg.rank, pcfg.alpha, pcfg.dropout, pcfg.rslora,
-                dora=pcfg.method == "dora"))
+            if target != "lm_head":
+                adapt(getattr(block, TARGETS[target]), target)
+    if "lm_head" in pcfg.target_modules and model.lm_head is not None:  # not on early pipeline stages
+        adapt(model, "lm_head")
     if pcfg.method == "qlora":
         from kiln.peft.qlora import quantize_base
 

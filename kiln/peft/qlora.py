@@ -64,12 +64,14 @@ def is_nf4(t: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def quantize_base(model: nn.Module, shards: int = 1) -> None:
-    """Replace the base weight of every adapter layer by its NF4 form, in place (on the meta
+    """Replace the base weight of every adapter layer but lm_head by its NF4 form, in place (on the meta
     device: the layout only). `shards`: the FSDP2 ranks the weight will be split over; each
     must get whole rows and whole groups of block scales, or this is a KilnError."""
     from kiln.peft.lora import adapter_layers
 
     for name, layer in adapter_layers(model):
+        if name == "lm_head":  # kept in full precision, as bitsandbytes keeps it (tied: the embedding)
+            continue
         nf4 = to_nf4(layer.weight)
         rows, groups = nf4.shape[0], nf4.quantization_factor.numel()
         if shards > 1 and (rows % shards or groups % shards):
