@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from kiln.errors import KilnError
 from kiln.launch.layout import DIMS, Layout, resolve_layout
 
 __all__ = ["DIMS", "Layout", "resolve_layout", "build_mesh", "dp_mesh", "dp_group",
@@ -34,6 +35,9 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
         # sparse mesh): an unflattened view shares the root's ranks, so FSDP2 can shard the
         # experts' ep-sharded DTensors over efsdp. Made once here (each call makes new groups)
         # and kept on the root mesh, which has no place of its own for a second view.
+        if not hasattr(mesh, "_unflatten"):  # added to DeviceMesh in torch 2.10
+            raise KilnError(f"parallel.ep={layout.ep} needs DeviceMesh._unflatten, which torch "
+                            f"{torch.__version__} lacks; use torch 2.10 or later")
         full = mesh._unflatten("dp_shard", (layout.dp_shard // layout.ep, layout.ep), ("efsdp", "ep"))
         mesh._kiln_experts = ExpertMeshes(full["ep"], full["dp_replicate", "efsdp"])
     return mesh
