@@ -22,6 +22,7 @@ from kiln.peft.lora import adapter_layers, is_adapter_name
 from kiln.train.build import build_model
 from kiln.train.loss import cross_entropy_sum
 from kiln.train.optim import build_optimizer
+from kiln.train.schedule import LRSchedule
 from kiln.train.trainer import train
 
 CPU = torch.device("cpu")
@@ -101,6 +102,25 @@ def test_only_adapters_get_gradients_and_optimizer_state(tmp_path, base):
     # 2 layers x 7 targets x (A, B, magnitude)
     assert len(adapters) == 42 and with_grad == adapters and with_state == adapters
     assert all(not p.requires_grad for n, p in model.named_parameters() if n not in adapters)
+
+
+def test_loraplus_trains_b_matrices_at_their_own_learning_rate(tmp_path, base):
+    cfg = job(tmp_path, base, "lora", peft={"loraplus_lr_ratio": 16.0})
+    model = build_model(cfg, None, CPU)
+    optimizer = build_optimizer(model, cfg.optim, cfg.peft.loraplus_lr_ratio)
+    schedule = LRSchedule(optimizer, cfg.optim.lr, cfg.schedule, 6)  # it sets every group's LR
+    names = {id(p): n for n, p in model.named_parameters()}
+    lrs = {names[id(p)]: g["lr"] for g in optimizer.param_groups for p in g["params"]}
+    assert len(lrs) == 28 and all(
+        lr == schedule.lr * (16 if n.endswith("lora_B.weight") else 1) for n, lr in lrs.items())
+    # AdamW's first step moves each entry with a gradient by its lr: B, from zero, by 16 lr.
+    b = model.layers["0"].attn.q.lora_B.weight
+    x = tokens()
+    cross_entropy_sum(model(x[:, :-1]), x[:, 1:]).backward()
+    optimizer.step()
+    assert b.detach().abs().max().item() == pytest.approx(16 * cfg.optim.lr, rel=1e-3)
+    with pytest.raises(ValueError, match="loraplus_lr_ratio is for adapters"):
+        job(tmp_path, base, "full", peft={"loraplus_lr_ratio": 16.0})
 
 
 def test_adapter_swapped_in_for_q_changes_logits_as_lora_says(tmp_path, base):

@@ -14,7 +14,7 @@ from kiln.config import ModelConfig, load_config
 from kiln.data.batch import IGNORE_INDEX
 from kiln.data.chat import DEFAULT_TEMPLATE, LAST_TURN, ChatFormat
 from kiln.data.docstrings import docstring_pairs, function_pairs
-from kiln.data.packing import SFTExamples
+from kiln.data.packing import SFTExamples, _best_fit_decreasing
 from kiln.data.prepare import PrepareOptions
 from kiln.data.sft import prepare_sft
 from kiln.data.shards import ShardSet
@@ -337,3 +337,17 @@ def test_sft_job_pretrains_its_missing_base_then_fine_tunes_and_writes_replies(t
         "sft.base_overrides=[]"])
     ensure_base(cfg)
     assert capsys.readouterr().out == ""
+
+
+def test_packing_fills_rows_best_fit_decreasing():
+    # Longest first, each into the row it fills most tightly: two full rows where filling in
+    # order (40 | 30 24 | 20 10) needs three.
+    order, starts = _best_fit_decreasing(np.array([40, 30, 24, 20, 10]), 64)
+    rows = [sorted(order[a:b].tolist()) for a, b in zip(starts[:-1], starts[1:])]
+    assert rows == [[0, 2], [1, 3, 4]]
+    # Every item once, no row over capacity, within BFD's bound of 11/9 of the fewest rows + 1.
+    sizes = np.random.default_rng(0).integers(1, 65, 2000)
+    order, starts = _best_fit_decreasing(sizes, 64)
+    assert sorted(order.tolist()) == list(range(len(sizes)))
+    used = [int(sizes[order[a:b]].sum()) for a, b in zip(starts[:-1], starts[1:])]
+    assert max(used) <= 64 and len(used) <= 11 / 9 * np.ceil(sizes.sum() / 64) + 1

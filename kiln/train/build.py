@@ -121,7 +121,7 @@ def build(cfg: JobConfig, resume: str = "auto") -> Run:
         model = pipeline.model
     else:
         model = build_model(cfg, mesh, device, hardware)
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, cfg.peft.loraplus_lr_ratio)
     if cfg.model.moe is not None and cfg.model.moe.bias_update_rate > 0:
         # DeepSeek's balancing biases move after every optimizer step, from that step's loads.
         group = dp_group(mesh)

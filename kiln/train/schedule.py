@@ -33,7 +33,8 @@ def lr_multiplier(cfg: ScheduleConfig, total_steps: int) -> Callable[[int], floa
 
 
 class LRSchedule:
-    """Sets every parameter group's LR to peak_lr x multiplier(step).
+    """Sets every parameter group's LR to peak_lr x multiplier(step) x the group's scale: its
+    LR when the optimizer was built over peak_lr (1, or LoRA+'s ratio for the B matrices).
 
     Its state is the step alone: the peak LR and the shape of the schedule come from the run's
     config, so a resumed run with a changed optim.lr or max_steps follows the new schedule from
@@ -44,6 +45,7 @@ class LRSchedule:
                  total_steps: int):
         self.optimizer, self.peak_lr = optimizer, peak_lr
         self.multiplier = lr_multiplier(cfg, total_steps)
+        self.scales = [group["lr"] / peak_lr for group in optimizer.param_groups]
         self.step_count = 0
         self._apply()
 
@@ -53,8 +55,8 @@ class LRSchedule:
         return self.peak_lr * self.multiplier(self.step_count)
 
     def _apply(self) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr
+        for group, scale in zip(self.optimizer.param_groups, self.scales):
+            group["lr"] = self.lr * scale
 
     def step(self) -> None:
         self.step_count += 1
