@@ -113,16 +113,22 @@ class ScaledHead(torch.nn.Linear):
 
 
 @pytest.mark.parametrize("chunk_elements", [2**22, 3 * 50])
-def test_chunked_loss_calls_a_wrapped_head_as_a_module(chunk_elements):
+@pytest.mark.parametrize("head_type", [ScaledHead, torch.nn.Linear])
+@pytest.mark.parametrize("targets_only", [False, True])
+def test_chunked_loss_calls_a_wrapped_head_as_a_module(chunk_elements, head_type, targets_only):
+    # targets_only: the head runs on the target rows alone (fine-tuning's replies), same result.
     hidden = leaf(2, 70, 16, dtype=torch.float32)
-    head = ScaledHead(16, 50, bias=False)
+    head = head_type(16, 50, bias=False)
     targets = torch.randint(0, 50, (2, 70), generator=torch.Generator().manual_seed(3))
     targets[0, :9] = -100
+    if targets_only:
+        targets[:, 20:61] = -100  # prompts
     expected = cross_entropy_sum(head(hidden), targets)
     expected.backward()
     gh, gw = hidden.grad.clone(), head.weight.grad.clone()
     hidden.grad = head.weight.grad = None
-    got = chunked_cross_entropy(hidden, head, targets, chunk_elements=chunk_elements)
+    got = chunked_cross_entropy(hidden, head, targets, chunk_elements=chunk_elements,
+                                targets_only=targets_only)
     got.backward()
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(hidden.grad, gh)

@@ -15,6 +15,9 @@ from kiln.train.loss import aux_loss_sum, chunked_cross_entropy
 
 class Pretrain:
     name = "pretrain"
+    sparse_targets = False
+    """True where most positions are no target (fine-tuning's prompts): the loss then runs the
+    output layer on the target rows only."""
 
     def build_data(self, cfg: JobConfig, run_dir: Path, dp_rank: int, dp_size: int) -> Data:
         return build_data(cfg, run_dir, dp_rank, dp_size)
@@ -24,6 +27,6 @@ class Pretrain:
         count); the model returns hidden states and the loss runs the head in chunks. A mixture
         of experts adds its auxiliary losses once per target (see aux_loss_sum)."""
         hidden = model(batch.tokens, **batch.model_inputs(), return_hidden=True)
-        loss = chunked_cross_entropy(hidden, model.lm_head, batch.labels)
+        loss = chunked_cross_entropy(hidden, model.lm_head, batch.labels, targets_only=self.sparse_targets)
         aux = aux_loss_sum(model, batch.count_targets())
         return loss if aux is None else loss + aux

@@ -32,6 +32,7 @@ from kiln.tasks.pretrain import Pretrain
 
 class Sft(Pretrain):
     name = "sft"
+    sparse_targets = True
 
     def build_data(self, cfg: JobConfig, run_dir: Path, dp_rank: int, dp_size: int) -> Data:
         if any(stage.seq_len for stage in cfg.data.curriculum):

@@ -26,7 +26,7 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
-                          chunk_elements: int = 2**22) -> torch.Tensor:
+                          chunk_elements: int = 2**22, targets_only: bool = False) -> torch.Tensor:
     """sum of cross_entropy(head(hidden), labels) in float32, holding at most about
     chunk_elements logits at a time.
 
@@ -34,7 +34,16 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.T
     made in the forward pass, no recompute). Anything else (an adapter wrapping the head, a
     head sharded by tensor parallel) is called as a module on each chunk, with the chunk's
     logits recomputed in backward instead of kept.
+
+    targets_only: the head runs on the rows that have a target only (one host sync to count
+    them). For fine-tuning data, whose prompts are no targets, that skips most of the head's
+    work; pretraining, where every row is a target, leaves it off.
     """
+    if targets_only and not isinstance(hidden, DTensor):
+        labels = labels.reshape(-1)
+        rows = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+        labels = labels.index_select(0, rows)
     if type(head) is nn.Linear and head.bias is None and not isinstance(head.weight, DTensor):
         return linear_cross_entropy(hidden, head.weight, labels, chunk_elements)
     vocab = head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
