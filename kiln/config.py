@@ -501,16 +501,19 @@ class PeftConfig(Section):
     loraplus_lr_ratio: float = Field(1.0, ge=1)
     """LoRA+: the B matrices learn at optim.lr times this (A at optim.lr); the LoRA+ paper
     (Hayou et al., 2024) finds 16 or so speeds up learning. 1: plain LoRA."""
-    target_modules: list[Literal["q", "k", "v", "o", "gate", "up", "down", "lm_head"]] = [
+    target_modules: list[Literal["q", "k", "v", "o", "gate", "up", "down", "lm_head", "embed"]] = [
         "q", "k", "v", "o", "gate", "up", "down"]
-    """Which linear layers get an adapter: attention q/k/v/o and MLP gate/up/down of every
-    block, and the output projection lm_head (its weight stays frozen, and stays the
-    embedding's when tied: the adapter changes the logits, not the input embedding)."""
+    """Which layers get an adapter: attention q/k/v/o and MLP gate/up/down of every block, the
+    output projection lm_head and the token embedding. Tied, the two keep sharing their frozen
+    weight and each adapter changes its own side: the logits, or the lookup."""
 
     @model_validator(mode="after")
     def _check_targets(self) -> PeftConfig:
         if not self.target_modules or len(set(self.target_modules)) != len(self.target_modules):
             raise ValueError("peft.target_modules must name each layer at most once, at least one")
+        if self.method == "dora" and "embed" in self.target_modules:
+            raise ValueError("peft.method dora adapts linear layers; take 'embed' out of "
+                             "peft.target_modules, or use method lora")
         if self.method == "full" and self.loraplus_lr_ratio != 1:
             raise ValueError("peft.loraplus_lr_ratio is for adapters (method lora, dora or "
                              "qlora); full fine-tuning has no B matrices")

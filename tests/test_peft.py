@@ -121,6 +121,8 @@ def test_loraplus_trains_b_matrices_at_their_own_learning_rate(tmp_path, base):
     assert b.detach().abs().max().item() == pytest.approx(16 * cfg.optim.lr, rel=1e-3)
     with pytest.raises(ValueError, match="loraplus_lr_ratio is for adapters"):
         job(tmp_path, base, "full", peft={"loraplus_lr_ratio": 16.0})
+    with pytest.raises(ValueError, match="dora adapts linear layers"):
+        job(tmp_path, base, "dora", peft={"target_modules": ["q", "embed"]})
 
 
 def test_adapter_swapped_in_for_q_changes_logits_as_lora_says(tmp_path, base):
@@ -212,18 +214,22 @@ def test_peft_loads_the_exported_adapter_with_kiln_logits(tmp_path, lora_runs, m
         torch.testing.assert_close(full(tokens()).logits, want, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("method", ["lora", "dora"])
-def test_adapter_on_a_tied_lm_head_round_trips_through_peft(tmp_path, method):
-    """lm_head as a target of a model whose output layer is its embedding: the adapter changes
-    the logits only (the lookup stays the base's, as in peft), and merging unties the two."""
+@pytest.mark.parametrize("method,targets", [("lora", ["q", "v", "embed", "lm_head"]),
+                                            ("dora", ["q", "v", "lm_head"])])
+def test_adapter_on_a_tied_embedding_and_lm_head_round_trips_through_peft(tmp_path, method, targets):
+    """The embedding and lm_head as targets of a model whose output layer is its embedding: each
+    adapter changes its own side (the lookup, the logits) over the shared frozen weight, as in
+    peft, and merging unties the two."""
     import peft
 
     base = hf_base(tmp_path / "tied", tie=True)
-    cfg = job(tmp_path / "run", base, method, peft={"target_modules": ["q", "v", "lm_head"]})
+    cfg = job(tmp_path / "run", base, method, peft={"target_modules": targets})
     train(cfg)
     ours = trained(cfg)
     assert ours.lm_head.weight is ours.embed.weight and not ours.embed.weight.requires_grad
     assert ours.lm_head.lora_B.weight.abs().max() > 0  # the head's adapter trained
+    if "embed" in targets:  # and the embedding's (its A starts at zero)
+        assert ours.embed.lora_embedding_A.abs().max() > 0
     # The tied base weight is stored nowhere, under neither of its names.
     saved = torch.distributed.checkpoint.FileSystemReader(
         cfg.run_dir / "checkpoints" / "step-000006").read_metadata().state_dict_metadata
@@ -232,7 +238,9 @@ def test_adapter_on_a_tied_lm_head_round_trips_through_peft(tmp_path, method):
     out = tmp_path / "adapter"
     assert main(["export-hf", str(cfg.run_dir), str(out), "--dtype", "fp32"]) == 0
     assert "lm_head" in json.loads((out / "adapter_config.json").read_text())["target_modules"]
-    assert "base_model.model.lm_head.lora_B.weight" in set(load_file(out / "adapter_model.safetensors"))
+    names = set(load_file(out / "adapter_model.safetensors"))
+    assert "base_model.model.lm_head.lora_B.weight" in names
+    assert ("base_model.model.model.embed_tokens.lora_embedding_A" in names) == ("embed" in targets)
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager",
                                                           dtype=torch.float32)
     theirs = peft.PeftModel.from_pretrained(hf, out).eval()
@@ -247,7 +255,8 @@ def test_adapter_on_a_tied_lm_head_round_trips_through_peft(tmp_path, method):
                                                             dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(full(tokens()).logits, want, atol=1e-5, rtol=0)
-        torch.testing.assert_close(full.model.embed_tokens.weight, hf.get_input_embeddings().weight)
+        if "embed" not in targets:
+            torch.testing.assert_close(full.model.embed_tokens.weight, hf.get_input_embeddings().weight)
 
 
 def test_lora_run_trains_stores_no_base_and_resumes_exactly(tmp_path, lora_runs, base):

@@ -17,11 +17,13 @@ from kiln.peft.adapter import ADAPTER_FILE, EXPORTED_FILE, AdapterInfo, check_ba
 from kiln.peft.lora import ADAPTER_PARAMS, is_adapter_name, merge_tuning
 
 HF_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
-              "gate": "gate_proj", "up": "up_proj", "down": "down_proj", "lm_head": "lm_head"}
+              "gate": "gate_proj", "up": "up_proj", "down": "down_proj", "lm_head": "lm_head",
+              "embed": "embed_tokens"}
 
 
 def peft_name(name: str) -> str:
-    """layers.0.attn.q.lora_A.weight -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"""
+    """layers.0.attn.q.lora_A.weight -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight,
+    embed.lora_embedding_A -> base_model.model.model.embed_tokens.lora_embedding_A"""
     leaf = next(p for p in ADAPTER_PARAMS if name.endswith("." + p))
     module = name[: -len(leaf) - 1]
     hf_module = to_hf_names(f"{module}.weight")[0].removesuffix(".weight")
@@ -92,10 +94,10 @@ def merged_weights(cfg: JobConfig, weights: dict[str, torch.Tensor], files: dict
 
 
 def merged_model_config(cfg: JobConfig, model_cfg):
-    """The merged model's shape: an adapter on a tied lm_head gives the output layer a weight of
-    its own (the embedding stays the base's), so the merged model is untied."""
-    if "lm_head" in cfg.peft.target_modules and model_cfg.tie_embeddings:
-        print("kiln: note: the adapter on lm_head is merged into an output layer of its own; the "
-              "merged model no longer ties it to the embedding (one more vocab x dim matrix)")
+    """The merged model's shape: an adapter on a tied lm_head or embedding gives that side a
+    weight of its own, so the merged model is untied."""
+    if {"lm_head", "embed"} & set(cfg.peft.target_modules) and model_cfg.tie_embeddings:
+        print("kiln: note: an adapter on the tied embedding or lm_head is merged into that side "
+              "only; the merged model no longer ties the two (one more vocab x dim matrix)")
         return model_cfg.model_copy(update={"tie_embeddings": False})
     return model_cfg

@@ -21,7 +21,8 @@ from kiln.parallel.dtensor import copy_full_into, full_tensor
 
 # Where each target lives in a block: attention or MLP.
 TARGETS = {"q": "attn", "k": "attn", "v": "attn", "o": "attn", "gate": "mlp", "up": "mlp", "down": "mlp"}
-ADAPTER_PARAMS = ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector")
+ADAPTER_PARAMS = ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector", "lora_embedding_A",
+                  "lora_embedding_B")
 
 
 def is_adapter_name(name: str) -> bool:
@@ -131,8 +132,49 @@ class LoRALinear(nn.Module):
                 f"scaling={self.scaling:g}{', nf4' if self.nf4 else ''}")
 
 
-def adapter_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+class LoRAEmbedding(nn.Module):
+    """An embedding lookup plus a low-rank update: E[x] + s * (A^T[x] B^T), E frozen (and still
+    the output layer's weight when tied: the update changes the lookup only). PEFT's LoRA
+    Embedding, with its names and shapes: lora_embedding_A (r x vocab), lora_embedding_B
+    (dim x r), A starting at zero and B normal, so the layer starts as the base."""
+
+    def __init__(self, base: nn.Embedding, rank: int, alpha: float, rslora: bool = False):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = base.num_embeddings, base.embedding_dim
+        self.weight = base.weight
+        self.weight.requires_grad_(False)
+        device = base.weight.device
+        self.lora_embedding_A = nn.Parameter(torch.empty(rank, self.num_embeddings, device=device))
+        self.lora_embedding_B = nn.Parameter(torch.empty(self.embedding_dim, rank, device=device))
+        self.scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
+        self.nf4 = False
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        update = F.embedding(tokens, self.lora_embedding_A.T) @ self.lora_embedding_B.T
+        return F.embedding(tokens, self.weight) + update * self.scaling
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """E + s (B A)^T in fp32."""
+        delta = full_tensor(self.lora_embedding_B).float() @ full_tensor(self.lora_embedding_A).float()
+        return full_tensor(self.weight).float() + self.scaling * delta.T
+
+    @torch.no_grad()
+    def init_adapter(self, seed: int, name: str) -> None:
+        """A zero, B standard normal (PEFT's initialisation for embeddings), B drawn whole from a
+        generator seeded by (seed, name)."""
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        copy_full_into(self.lora_embedding_A, torch.zeros(tuple(self.lora_embedding_A.shape)))
+        copy_full_into(self.lora_embedding_B,
+                       torch.empty(tuple(self.lora_embedding_B.shape)).normal_(generator=gen))
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, lora, "
+                f"rank={self.lora_embedding_A.shape[0]}, scaling={self.scaling:g}")
+
+
+def adapter_layers(model: nn.Module) -> list[tuple[str, LoRALinear | LoRAEmbedding]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAEmbedding))]
 
 
 def apply_tuning(model: nn.Module, cfg: JobConfig, shards: int = 1) -> nn.Module:
@@ -151,10 +193,12 @@ def apply_tuning(model: nn.Module, cfg: JobConfig, shards: int = 1) -> nn.Module
 
     for block in model.layers.values():
         for target in pcfg.target_modules:
-            if target != "lm_head":
+            if target in TARGETS:
                 adapt(getattr(block, TARGETS[target]), target)
     if "lm_head" in pcfg.target_modules and model.lm_head is not None:  # not on early pipeline stages
         adapt(model, "lm_head")
+    if "embed" in pcfg.target_modules and model.embed is not None:  # the first stage's
+        model.embed = LoRAEmbedding(model.embed, pcfg.rank, pcfg.alpha, pcfg.rslora)
     if pcfg.method == "qlora":
         from kiln.peft.qlora import quantize_base
 
@@ -176,9 +220,15 @@ def finalize_tuning(model: nn.Module, cfg: JobConfig) -> nn.Module:
 
 @torch.no_grad()
 def merge_tuning(model: nn.Module) -> nn.Module:
-    """Replace every adapter layer by a plain nn.Linear holding its merged weight (fp32)."""
+    """Replace every adapter layer by a plain nn.Linear (nn.Embedding) holding its merged weight
+    (fp32). A tied output layer keeps the base weight: merging unties it."""
     for name, layer in adapter_layers(model):
         parent_name, _, child = name.rpartition(".")
+        if isinstance(layer, LoRAEmbedding):
+            merged = nn.Embedding(layer.num_embeddings, layer.embedding_dim)
+            merged.weight.copy_(layer.merged_weight())
+            setattr(model.get_submodule(parent_name), child, merged)
+            continue
         merged = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
         merged.weight.copy_(layer.merged_weight())
         if layer.bias is not None:

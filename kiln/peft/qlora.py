@@ -70,7 +70,7 @@ def quantize_base(model: nn.Module, shards: int = 1) -> None:
     from kiln.peft.lora import adapter_layers
 
     for name, layer in adapter_layers(model):
-        if name == "lm_head":  # kept in full precision, as bitsandbytes keeps it (tied: the embedding)
+        if name in ("lm_head", "embed"):  # kept in full precision, as bitsandbytes keeps them
             continue
         nf4 = to_nf4(layer.weight)
         rows, groups = nf4.shape[0], nf4.quantization_factor.numel()
