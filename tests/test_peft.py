@@ -224,7 +224,11 @@ def test_adapter_on_a_tied_embedding_and_lm_head_round_trips_through_peft(tmp_pa
 
     base = hf_base(tmp_path / "tied", tie=True)
     cfg = job(tmp_path / "run", base, method, peft={"target_modules": targets})
-    train(cfg)
+    ref = train(cfg)
+    # Stopped after 3 steps and resumed to 6: the losses of the run that never stopped.
+    train(job(tmp_path / "cut", base, method, steps=3, peft={"target_modules": targets}))
+    resumed = train(job(tmp_path / "cut", base, method, peft={"target_modules": targets}))
+    assert resumed.start_step == 3 and resumed.losses == ref.losses[3:]
     ours = trained(cfg)
     assert ours.lm_head.weight is ours.embed.weight and not ours.embed.weight.requires_grad
     assert ours.lm_head.lora_B.weight.abs().max() > 0  # the head's adapter trained

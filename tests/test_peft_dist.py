@@ -21,9 +21,10 @@ from kiln.train.trainer import train
 def test_adapter_over_two_fsdp2_ranks_equals_one_process(tmp_path, base, method):  # noqa: F811
     # The same global batch of 8 sequences: 2 ranks x 4, or 1 process x 2 micro-batches of 4.
     common = dict(train={"global_batch_size": 8, "num_threads": 1}, checkpoint={"interval": None})
-    if method == "lora":  # also an adapter on an lm_head tied to the (sharded, frozen) embedding
+    if method == "lora":  # also adapters on a tied (sharded, frozen) embedding and lm_head
         base = hf_base(tmp_path / "tied", tie=True)
-        common["peft"] = {"target_modules": ["q", "k", "v", "o", "gate", "up", "down", "lm_head"]}
+        common["peft"] = {"target_modules": ["q", "k", "v", "o", "gate", "up", "down",
+                                             "lm_head", "embed"]}
     single = job(tmp_path / "single", base, method, steps=4, **common)
     reference = train(single)
     sharded = job(tmp_path / "sharded", base, method, steps=4, parallel={"dp_shard": 2}, **common)

@@ -34,7 +34,8 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None,
     return groups
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, lora_b_lr_ratio: float = 1.0) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig,
+                    lora_b_lr_ratio: float = 1.0) -> torch.optim.Optimizer:
     # fused kernels exist for CUDA and CPU tensors; foreach for DTensors (sharded parameters).
     params = [p for p in model.parameters() if p.requires_grad]
     fused = params[0].device.type in ("cuda", "cpu") and not any(isinstance(p, DTensor) for p in params)
