@@ -106,9 +106,13 @@ def test_linear_cross_entropy_under_bf16_autocast_is_close_and_keeps_fp32_grads(
 
 
 class ScaledHead(torch.nn.Linear):
-    """A head whose forward is not nn.Linear's (as an adapter's would be): the loss must call it."""
+    """A head whose forward is not nn.Linear's (as an adapter's would be): the loss must call it.
+    Counts the rows it is given."""
+
+    rows = 0
 
     def forward(self, x):
+        self.rows += x.shape[0]
         return super().forward(x) * 1.5
 
 
@@ -127,8 +131,11 @@ def test_chunked_loss_calls_a_wrapped_head_as_a_module(chunk_elements, head_type
     expected.backward()
     gh, gw = hidden.grad.clone(), head.weight.grad.clone()
     hidden.grad = head.weight.grad = None
+    head.rows = 0
     got = chunked_cross_entropy(hidden, head, targets, chunk_elements=chunk_elements,
                                 targets_only=targets_only)
+    if head_type is ScaledHead:  # the forward's rows: all of them, or the targets' alone
+        assert head.rows == (int((targets != -100).sum()) if targets_only else targets.numel())
     got.backward()
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(hidden.grad, gh)

@@ -373,6 +373,14 @@ CASES = [
     ("parallel-ep-dense-model", lambda h: (["train", job_file(h, parallel={"ep": 2})], ["parallel.ep=2"])),
     ("qlora-over-pipeline", lambda h: (["train", job_file(h, peft={"method": "qlora"}, parallel={"pp": 2}),
                                         "--nproc", "2"], ["qlora", "pp"])),
+    # the adapter options: LoRA+ below 1 or with full fine-tuning, DoRA on the embedding, an unknown target
+    ("loraplus-below-one", lambda h: (["train", job_file(h, peft={"method": "lora", "loraplus_lr_ratio": 0.5})],
+                                      ["loraplus_lr_ratio"])),
+    ("loraplus-full", lambda h: (["train", job_file(h, peft={"loraplus_lr_ratio": 16})], ["loraplus_lr_ratio"])),
+    ("dora-on-embedding", lambda h: (["train", job_file(h, peft={"method": "dora", "target_modules": ["embed"]})],
+                                     ["dora", "embed"])),
+    ("unknown-adapter-target", lambda h: (["train", job_file(h, peft={"method": "lora", "target_modules": ["wte"]})],
+                                          ["target_modules"])),
 ]
 
 

@@ -283,8 +283,7 @@ class Checkpointer:
         # Frozen parameters (an adapter run's base) are not saved: they come from the base.
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=StateDictOptions(
             flatten_optimizer_state_dict=True, ignore_frozen_params=True))
-        frozen = frozen_names(self.model)  # DCP keeps a tied frozen weight under its second name
-        model_state = {k: v for k, v in model_state.items() if k not in frozen}
+        model_state = without_frozen(self.model, model_state)
         rng = rng_state()
         if not with_cuda:
             rng.pop("cuda", None)
@@ -362,6 +361,13 @@ class Checkpointer:
 def frozen_names(model: nn.Module) -> set[str]:
     """Names of the parameters that do not train (tied ones under each of their names)."""
     return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def without_frozen(model: nn.Module, state: dict) -> dict:
+    """A model state dict without the frozen parameters under any of their names: DCP's
+    ignore_frozen_params keeps a tied frozen weight (a base embedding) under its second name."""
+    frozen = frozen_names(model)
+    return {k: v for k, v in state.items() if k not in frozen}
 
 
 def _flatten(tree, prefix: str = "") -> dict:

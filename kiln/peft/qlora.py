@@ -64,8 +64,8 @@ def is_nf4(t: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def quantize_base(model: nn.Module, shards: int = 1) -> None:
-    """Replace the base weight of every adapter layer but lm_head by its NF4 form, in place (on the meta
-    device: the layout only). `shards`: the FSDP2 ranks the weight will be split over; each
+    """Replace the base weight of every adapter layer but lm_head and embed by its NF4 form, in
+    place (on the meta device: the layout only). `shards`: the FSDP2 ranks the weight will be split over; each
     must get whole rows and whole groups of block scales, or this is a KilnError."""
     from kiln.peft.lora import adapter_layers
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from kiln.checkpoint.checkpointer import Progress, frozen_names
+from kiln.checkpoint.checkpointer import Progress, without_frozen
 from kiln.config import JobConfig
 from kiln.data.batch import Batch
 from kiln.models.transformer import count_parameters, flops_per_token
@@ -312,8 +312,7 @@ class Trainer:
         stages = self.pp_group is not None
         state = get_model_state_dict(self.model, options=StateDictOptions(
             full_state_dict=True, cpu_offload=not stages, ignore_frozen_params=True))
-        frozen = frozen_names(self.model)  # DCP keeps a tied frozen weight under its second name
-        state = {k: v for k, v in state.items() if k not in frozen}
+        state = without_frozen(self.model, state)
         if stages:  # each stage has its own layers: rank 0 gathers them
             state = gather_stages({k: v.cpu() for k, v in state.items()}, self.run.mesh)
         if not self.run.is_main:
