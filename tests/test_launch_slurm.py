@@ -178,8 +178,10 @@ def committed_steps(run_dir: Path) -> list[int]:
 def test_warned_job_checkpoints_requeues_and_resumes_same_losses(slurm_env, tmp_path):
     """The time-limit path for real: the batch shell gets SIGUSR1 (what --signal=B:USR1@S sends),
     the training stops, the job requeues itself and resumes from its last committed checkpoint;
-    every step's loss equals that of an uninterrupted run of the same job."""
-    job = write_job(tmp_path)
+    every step's loss equals that of an uninterrupted run of the same job. The job is long
+    (steps take milliseconds) so that the warning lands well before its end on a slow machine."""
+    steps = 300
+    job = write_job(tmp_path, max_steps=steps)
     run_dir = tmp_path / "runs" / "tiny"
     job_id = submit(job, tmp_path, slurm_env, "--nproc-per-node", "1", "--cpus", "1")
     # The same job, uninterrupted, outside Slurm (meanwhile, on the other core).
@@ -204,13 +206,13 @@ def test_warned_job_checkpoints_requeues_and_resumes_same_losses(slurm_env, tmp_
     assert "requeueing (1 of 20)" in log and "kiln: training finished" in log, log[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     resumed = [r for r in records if "resumed_from" in r]
-    assert len(resumed) == 1 and 0 < resumed[0]["step"] < 60
+    assert len(resumed) == 1 and 0 < resumed[0]["step"] < steps
     assert info["Restarts"] == "1"
 
     assert reference.wait(timeout=600) == 0, (tmp_path / "reference.err").read_text()[-3000:]
     expected = losses(tmp_path / "runs" / "reference" / "metrics.jsonl")
     assert losses(run_dir / "metrics.jsonl") == expected
-    assert sorted(expected) == list(range(1, 61))
+    assert sorted(expected) == list(range(1, steps + 1))
 
 
 def test_two_process_job_trains_to_completion(slurm_env, tmp_path):
@@ -234,7 +236,8 @@ def test_sigterm_to_two_process_job_checkpoints_at_that_step_and_resumes_same_lo
     the next step boundary, commit a checkpoint there and exit; the job requeues itself and the
     resumed run's losses equal an uninterrupted 2-process run's."""
     seed = int(os.environ.get("KILN_TEST_SEED", time.time_ns() % 1_000_000))
-    job = write_job(tmp_path)
+    steps = 160  # long after the signal: it lands mid-run on a slow machine too
+    job = write_job(tmp_path, max_steps=steps)
     run_dir = tmp_path / "runs" / "tiny"
     job_id = submit(job, tmp_path, slurm_env, "--nproc-per-node", "2", "--cpus", "2")
     at = random.Random(seed).randint(12, 40)
