@@ -8,7 +8,9 @@ Every run is its own subprocess (its own peak RSS) and the runs alternate within
 so load from other jobs falls on all of them. The same random tokens, fp32, AdamW, the same
 LoRA (rank 16, alpha 32, on q/k/v/o/gate/up/down) for kiln and peft. Peak memory is reported
 twice: over the whole process, and during training only (the peak is reset once the model is
-built: QLoRA's build holds the fp32 base until it is quantised). Writes nothing but stdout.
+built: QLoRA's build holds the fp32 base until it is quantised). Last, the FLOPs each step must
+do, against this CPU's measured fp32 matmul peak: how much room any stack has. Writes nothing
+but stdout.
 """
 
 from __future__ import annotations
@@ -186,9 +188,11 @@ def main() -> None:
     import transformers
 
     from kiln.config import ModelConfig
-    from kiln.models.transformer import count_parameters
+    from kiln.models.transformer import count_parameters, flops_per_token
+    from kiln.train.metrics import measure_matmul_flops
 
-    n = count_parameters(ModelConfig(**SHAPES[args.shape]))
+    model_cfg = ModelConfig(**SHAPES[args.shape])
+    n = count_parameters(model_cfg)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, peft "
           f"{peft.__version__}, torchao {torchao.__version__}, python {sys.version.split()[0]}, "
           f"{THREADS} threads")
@@ -218,6 +222,24 @@ def main() -> None:
     memory = ratio("kiln lora", "peft lora", "train_peak_mb")
     qlora = ratio("kiln qlora", "kiln full", "train_peak_mb")
     qlora_process = ratio("kiln qlora", "kiln full", "process_peak_mb")
+    # Is there room? The FLOPs a step must do against the best this CPU's fp32 matmuls reach.
+    torch.set_num_threads(THREADS)
+    peak = measure_matmul_flops(torch.float32, budget_s=3.0)
+    full = flops_per_token(model_cfg, args.seq_len)
+    attention = 12 * model_cfg.n_layers * model_cfg.n_heads * model_cfg.head_size * args.seq_len
+    frozen = (full - attention) / 6  # matmul weights a token goes through
+    adapter = median("kiln lora", "trainable")
+    # Adapters: forward, and the backward to the activations only (no weight gradients of the
+    # base), plus the adapters' own 6 FLOPs per weight.
+    lora = 4 * frozen + attention + 6 * adapter
+    work = {"kiln full": full, "kiln lora": lora, "kiln qlora": lora, "peft lora": lora}
+    print(f"\nFLOPs per token: full fine-tuning {full / 1e9:.2f} G, LoRA {lora / 1e9:.2f} G; this "
+          f"CPU's fp32 matmul peak (one thread's best x {THREADS}) {peak / 1e9:.0f} GFLOP/s")
+    for row in ROWS:
+        rate = median(row, "tokens_per_s") * work[row]
+        print(f"  {row:<11} {rate / 1e9:6.0f} GFLOP/s = {rate / peak:4.0%} of that peak")
+    needed = 1.5 * median("peft lora", "tokens_per_s") * lora
+    print(f"  1.5x peft's tokens/s would need {needed / 1e9:.0f} GFLOP/s = {needed / peak:.0%} of it")
     print(f"\nkiln lora / peft lora: {speed:.2f}x tokens/s (target >= 1.5: "
           f"{'met' if speed >= 1.5 else 'NOT met'}), {memory:.2f}x training peak memory "
           f"(target <= 1: {'met' if memory <= 1 else 'NOT met'})")

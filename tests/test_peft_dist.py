@@ -1,6 +1,7 @@
-"""LoRA and QLoRA under FSDP2: `torchrun -m kiln train` over 2 ranks (gloo) gives the
-single-process losses and adapter, the base sharded and frozen on both ranks (QLoRA's as NF4
-codes and scales, quantised whole and then split, so both runs hold the same base)."""
+"""LoRA, DoRA and QLoRA under FSDP2, and LoRA over two pipeline stages: `torchrun -m kiln
+train` over 2 ranks (gloo) gives the single-process losses and adapter, the base sharded (or
+split by layers) and frozen (QLoRA's as NF4 codes and scales, quantised whole and then split,
+so both runs hold the same base)."""
 
 import json
 
@@ -17,17 +18,30 @@ from kiln.peft import apply_tuning, check_layout
 from kiln.train.trainer import train
 
 
-@pytest.mark.parametrize("method", ["lora", "qlora"])
-def test_adapter_over_two_fsdp2_ranks_equals_one_process(tmp_path, base, method):  # noqa: F811
+ALL_LINEAR = ["q", "k", "v", "o", "gate", "up", "down"]
+CASES = {
+    # Adapters on a tied (sharded, frozen) embedding and lm_head too, and LoRA+'s own LR for B.
+    "lora-fsdp2": ("lora", {"dp_shard": 2}, True,
+                   {"target_modules": ALL_LINEAR + ["lm_head", "embed"], "loraplus_lr_ratio": 4.0}),
+    "qlora-fsdp2": ("qlora", {"dp_shard": 2}, False, {}),
+    # DoRA's magnitude divides by the norm of the whole (all-gathered) weight plus B @ A.
+    "dora-fsdp2": ("dora", {"dp_shard": 2}, False, {"target_modules": ALL_LINEAR + ["lm_head"]}),
+    # Two stages, one layer each: the embedding's adapter on the first, lm_head's on the last.
+    "lora-pp": ("lora", {"pp": 2}, False, {"target_modules": ALL_LINEAR + ["lm_head", "embed"]}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_adapter_over_two_ranks_equals_one_process(tmp_path, base, case):  # noqa: F811
+    method, parallel, tie, peft = CASES[case]
     # The same global batch of 8 sequences: 2 ranks x 4, or 1 process x 2 micro-batches of 4.
-    common = dict(train={"global_batch_size": 8, "num_threads": 1}, checkpoint={"interval": None})
-    if method == "lora":  # also adapters on a tied (sharded, frozen) embedding and lm_head
+    common = dict(train={"global_batch_size": 8, "num_threads": 1}, checkpoint={"interval": None},
+                  peft=peft)
+    if tie:
         base = hf_base(tmp_path / "tied", tie=True)
-        common["peft"] = {"target_modules": ["q", "k", "v", "o", "gate", "up", "down",
-                                             "lm_head", "embed"]}
     single = job(tmp_path / "single", base, method, steps=4, **common)
     reference = train(single)
-    sharded = job(tmp_path / "sharded", base, method, steps=4, parallel={"dp_shard": 2}, **common)
+    sharded = job(tmp_path / "sharded", base, method, steps=4, parallel=parallel, **common)
     config = tmp_path / "sharded.yaml"
     config.write_text(sharded.to_yaml())
     torchrun(["-m", "kiln", "train", str(config)], timeout=300)
