@@ -170,6 +170,18 @@ def spawn(row: str, args) -> dict:
     return result
 
 
+def gemm_rate(m: int, k: int, n: int, repeats: int = 5) -> float:
+    """Best FLOP/s of an (m x k) @ (k x n) fp32 matmul over `repeats` runs after one warm-up."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * m * k * n / best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=SHAPES, default="500m")
@@ -178,6 +190,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per run")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=ROWS,
+                        help="which runs (default: all; the ratios need their rows)")
     parser.add_argument("--worker", choices=ROWS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -198,9 +212,10 @@ def main() -> None:
           f"{THREADS} threads")
     print(f"model {args.shape}: {n / 1e6:.0f}M parameters; {args.batch} x {args.seq_len} tokens/step, "
           f"fp32, {args.warmup} warm-up + {args.steps} timed steps, {args.rounds} rounds", flush=True)
-    results: dict[str, list[dict]] = {row: [] for row in ROWS}
+    rows = [row for row in ROWS if row in args.rows]
+    results: dict[str, list[dict]] = {row: [] for row in rows}
     for round_ in range(args.rounds):
-        for row in ROWS if round_ % 2 == 0 else ROWS[::-1]:
+        for row in rows if round_ % 2 == 0 else rows[::-1]:
             r = spawn(row, args)
             results[row].append(r)
             print(f"  round {round_ + 1}  {row:<11} {r['tokens_per_s']:8.1f} tokens/s  training peak "
@@ -211,40 +226,50 @@ def main() -> None:
         return statistics.median(r[key] for r in results[row])
 
     print(f"\n{'run':<11} {'tokens/s':>9} {'training peak MB':>17} {'process peak MB':>16} {'trainable':>10}")
-    for row in ROWS:
+    for row in rows:
         print(f"{row:<11} {median(row, 'tokens_per_s'):9.1f} {median(row, 'train_peak_mb'):17,.0f} "
               f"{median(row, 'process_peak_mb'):16,.0f} {median(row, 'trainable') / 1e6:9.2f}M")
 
-    def ratio(a: str, b: str, key: str) -> float:
-        return statistics.median(x[key] / y[key] for x, y in zip(results[a], results[b]))
-
-    speed = ratio("kiln lora", "peft lora", "tokens_per_s")
-    memory = ratio("kiln lora", "peft lora", "train_peak_mb")
-    qlora = ratio("kiln qlora", "kiln full", "train_peak_mb")
-    qlora_process = ratio("kiln qlora", "kiln full", "process_peak_mb")
-    # Is there room? The FLOPs a step must do against the best this CPU's fp32 matmuls reach.
+    # Is there room? The FLOPs a step must do against the best this CPU's fp32 matmuls reach:
+    # kiln's MFU peak (one thread's best x threads, an ideal) and the best rate of the step's
+    # own big matmuls (tokens x hidden x SwiGLU, either way, and the output layer) on THREADS threads.
     torch.set_num_threads(THREADS)
-    peak = measure_matmul_flops(torch.float32, budget_s=3.0)
+    ideal = measure_matmul_flops(torch.float32, budget_s=3.0)
+    m, d, f = args.batch * args.seq_len, model_cfg.dim, model_cfg.intermediate_size
+    peak = max(gemm_rate(m, k, n) for k, n in ((d, f), (f, d), (d, model_cfg.vocab_size)))
     full = flops_per_token(model_cfg, args.seq_len)
     attention = 12 * model_cfg.n_layers * model_cfg.n_heads * model_cfg.head_size * args.seq_len
     frozen = (full - attention) / 6  # matmul weights a token goes through
-    adapter = median("kiln lora", "trainable")
+    adapter = median(rows[-1], "trainable") if rows[-1] != "kiln full" else 0
     # Adapters: forward, and the backward to the activations only (no weight gradients of the
     # base), plus the adapters' own 6 FLOPs per weight.
     lora = 4 * frozen + attention + 6 * adapter
     work = {"kiln full": full, "kiln lora": lora, "kiln qlora": lora, "peft lora": lora}
-    print(f"\nFLOPs per token: full fine-tuning {full / 1e9:.2f} G, LoRA {lora / 1e9:.2f} G; this "
-          f"CPU's fp32 matmul peak (one thread's best x {THREADS}) {peak / 1e9:.0f} GFLOP/s")
-    for row in ROWS:
+    print(f"\nFLOPs per token: full fine-tuning {full / 1e9:.3g} G, LoRA {lora / 1e9:.3g} G. This "
+          f"CPU's fp32 matmuls: {peak / 1e9:.0f} GFLOP/s at best on this model's shapes with "
+          f"{THREADS} threads ({ideal / 1e9:.0f} GFLOP/s ideal: one thread's best x {THREADS})")
+    for row in rows:
         rate = median(row, "tokens_per_s") * work[row]
-        print(f"  {row:<11} {rate / 1e9:6.0f} GFLOP/s = {rate / peak:4.0%} of that peak")
-    needed = 1.5 * median("peft lora", "tokens_per_s") * lora
-    print(f"  1.5x peft's tokens/s would need {needed / 1e9:.0f} GFLOP/s = {needed / peak:.0%} of it")
-    print(f"\nkiln lora / peft lora: {speed:.2f}x tokens/s (target >= 1.5: "
-          f"{'met' if speed >= 1.5 else 'NOT met'}), {memory:.2f}x training peak memory "
-          f"(target <= 1: {'met' if memory <= 1 else 'NOT met'})")
-    print(f"kiln qlora / kiln full: {qlora:.2f}x training peak memory (target < 0.5: "
-          f"{'met' if qlora < 0.5 else 'NOT met'}); {qlora_process:.2f}x over the whole process")
+        print(f"  {row:<11} {rate / 1e9:6.1f} GFLOP/s = {rate / peak:4.0%} of that best "
+              f"({rate / ideal:.0%} of the ideal)")
+
+    def ratio(a: str, b: str, key: str) -> float:
+        return statistics.median(x[key] / y[key] for x, y in zip(results[a], results[b]))
+
+    if {"kiln lora", "peft lora"} <= set(rows):
+        needed = 1.5 * median("peft lora", "tokens_per_s") * lora
+        print(f"  1.5x peft's tokens/s would need {needed / 1e9:.1f} GFLOP/s = {needed / peak:.0%} "
+              f"of that best ({needed / ideal:.0%} of the ideal)")
+        speed = ratio("kiln lora", "peft lora", "tokens_per_s")
+        memory = ratio("kiln lora", "peft lora", "train_peak_mb")
+        print(f"\nkiln lora / peft lora: {speed:.2f}x tokens/s (target >= 1.5: "
+              f"{'met' if speed >= 1.5 else 'NOT met'}), {memory:.2f}x training peak memory "
+              f"(target <= 1: {'met' if memory <= 1 else 'NOT met'})")
+    if {"kiln qlora", "kiln full"} <= set(rows):
+        qlora = ratio("kiln qlora", "kiln full", "train_peak_mb")
+        qlora_process = ratio("kiln qlora", "kiln full", "process_peak_mb")
+        print(f"kiln qlora / kiln full: {qlora:.2f}x training peak memory (target < 0.5: "
+              f"{'met' if qlora < 0.5 else 'NOT met'}); {qlora_process:.2f}x over the whole process")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""LoRA, DoRA and QLoRA under FSDP2, and LoRA over two pipeline stages: `torchrun -m kiln
-train` over 2 ranks (gloo) gives the single-process losses and adapter, the base sharded (or
-split by layers) and frozen (QLoRA's as NF4 codes and scales, quantised whole and then split,
-so both runs hold the same base)."""
+"""LoRA, DoRA and QLoRA under FSDP2, LoRA and DoRA under tensor parallel (and LoRA under both),
+LoRA over two pipeline stages: `torchrun -m kiln train` over 2 or 4 ranks (gloo) gives the
+single-process losses and adapter, the base sharded (or split by layers) and frozen (QLoRA's
+as NF4 codes and scales, quantised whole and then split, so both runs hold the same base)."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -26,15 +27,23 @@ CASES = {
     "qlora-fsdp2": ("qlora", {"dp_shard": 2}, False, {}),
     # DoRA's magnitude divides by the norm of the whole (all-gathered) weight plus B @ A.
     "dora-fsdp2": ("dora", {"dp_shard": 2}, False, {"target_modules": ALL_LINEAR + ["lm_head"]}),
+    # Tensor parallel: A whole and B split by rows in q/k/v/gate/up, A split by columns in o/down.
+    "lora-tp": ("lora", {"tp": 2}, False, {"target_modules": ALL_LINEAR + ["lm_head", "embed"]}),
+    # And FSDP2 over 2 ranks on top (4 processes).
+    "lora-fsdp2-tp": ("lora", {"dp_shard": 2, "tp": 2}, False,
+                      {"target_modules": ALL_LINEAR + ["lm_head", "embed"]}),
+    # DoRA's row norms: local rows in q/k/v/gate/up, summed over ranks' columns in o/down.
+    "dora-tp": ("dora", {"tp": 2}, False, {}),
     # Two stages, one layer each: the embedding's adapter on the first, lm_head's on the last.
     "lora-pp": ("lora", {"pp": 2}, False, {"target_modules": ALL_LINEAR + ["lm_head", "embed"]}),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_adapter_over_two_ranks_equals_one_process(tmp_path, base, case):  # noqa: F811
+def test_adapter_over_ranks_equals_one_process(tmp_path, base, case):  # noqa: F811
     method, parallel, tie, peft = CASES[case]
-    # The same global batch of 8 sequences: 2 ranks x 4, or 1 process x 2 micro-batches of 4.
+    # The same global batch of 8 sequences: 2 data-parallel ranks x 4, or 2 micro-batches of 4
+    # (one process, tensor parallel, pipeline stages).
     common = dict(train={"global_batch_size": 8, "num_threads": 1}, checkpoint={"interval": None},
                   peft=peft)
     if tie:
@@ -44,7 +53,7 @@ def test_adapter_over_two_ranks_equals_one_process(tmp_path, base, case):  # noq
     sharded = job(tmp_path / "sharded", base, method, steps=4, parallel=parallel, **common)
     config = tmp_path / "sharded.yaml"
     config.write_text(sharded.to_yaml())
-    torchrun(["-m", "kiln", "train", str(config)], timeout=300)
+    torchrun(["-m", "kiln", "train", str(config)], nproc=math.prod(parallel.values()), timeout=300)
     lines = [json.loads(line) for line in (sharded.run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in lines if "loss" in r]
     want = [reference.losses[i - 1] for i in (3, 4)]  # logged every 3 steps and at the end
@@ -63,6 +72,8 @@ def test_qlora_layouts_it_cannot_shard_are_refused(tmp_path, base):  # noqa: F81
         check_layout(cfg, Layout(pp=2))
     with pytest.raises(KilnError, match=r"qlora with dp_replicate=2 x dp_shard=2.*not wired in"):
         check_layout(cfg, Layout(dp_replicate=2, dp_shard=2))
+    with pytest.raises(KilnError, match=r"qlora with parallel.tp=2: splitting an NF4 base"):
+        check_layout(job(tmp_path, base, "qlora", parallel={"tp": 2}), Layout(tp=2))
     check_layout(cfg, Layout(dp_shard=4))  # FSDP2 alone is what runs
     # Three ranks cannot each get whole rows of the 64-row q projection.
     with torch.device("meta"):

@@ -7,6 +7,10 @@ all-gather the sequence on entry, and o/down reduce-scatter back to slices on ex
 activations between blocks cost 1/tp of their memory, and the traffic is the same as plain
 tensor parallel (an all-reduce is a reduce-scatter plus an all-gather).
 
+A layer that says where its parameters go (`tp_placements(style)`, as a LoRA layer does: its
+A and B split to match the base weight) is split that way by the same styles; a plain
+nn.Linear as torch's ColwiseParallel / RowwiseParallel split it.
+
 The embedding, final norm and output projection stay whole on every tensor-parallel rank
 (FSDP2 still shards them over the data-parallel ranks): the loss runs the head in chunks
 (kiln.train.loss) on a whole hidden state. The region is entered at a model's first block
@@ -20,13 +24,51 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from functools import partial
+
+from torch.distributed.tensor import Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                PrepareModuleInputOutput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
 from kiln.models.moe import MoE
+
+
+def _place(placements: dict[str, Placement]):
+    """A distribute_module partition function: each parameter of the layer and of its
+    submodules (named relative to the layer) to its placement."""
+    def partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for local, param in list(module.named_parameters(recurse=False)):
+            placement = placements[f"{name}.{local}" if name else local]
+            module.register_parameter(local, nn.Parameter(
+                distribute_tensor(param, mesh, [placement]), requires_grad=param.requires_grad))
+    return partition
+
+
+class Colwise(ColwiseParallel):
+    """ColwiseParallel, also for a layer with tp_placements (an adapter over a linear layer)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not hasattr(module, "tp_placements"):
+            return super()._apply(module, device_mesh)
+        return distribute_module(
+            module, device_mesh, _place(module.tp_placements("colwise")),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class Rowwise(RowwiseParallel):
+    """RowwiseParallel, also for a layer with tp_placements."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not hasattr(module, "tp_placements"):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)  # what RowwiseParallel sets for a Linear
+        return distribute_module(
+            module, device_mesh, _place(module.tp_placements("rowwise")),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
 def block_plan(qk_norm: bool, moe: bool = False) -> dict:
@@ -45,16 +87,15 @@ def block_plan(qk_norm: bool, moe: bool = False) -> dict:
         mlp = {
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                       use_local_output=True),
-            "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
-            "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp.gate": Colwise(), "mlp.up": Colwise(), "mlp.down": Rowwise(output_layouts=Shard(1)),
         }
     plan = {
         "attn_norm": SequenceParallel(),
         "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
                                    desired_input_layouts=(Replicate(), None, None, None),
                                    use_local_output=True),
-        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-        "attn.o": RowwiseParallel(output_layouts=Shard(1)),
+        "attn.q": Colwise(), "attn.k": Colwise(), "attn.v": Colwise(),
+        "attn.o": Rowwise(output_layouts=Shard(1)),
         "mlp_norm": SequenceParallel(),
         **mlp,
     }
@@ -68,6 +109,9 @@ def block_plan(qk_norm: bool, moe: bool = False) -> dict:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    # SequenceParallel makes new parameters of the norms' weights, trainable ones: a frozen
+    # base (fine-tuning with adapters) must stay frozen.
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     blocks = list(model.layers.values())
     for block in blocks:
         parallelize_module(block, tp_mesh, block_plan(model.cfg.qk_norm, isinstance(block.mlp, MoE)))
@@ -80,6 +124,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     else:
         parallelize_module(first, tp_mesh, PrepareModuleInput(**enter, use_local_output=True))
         parallelize_module(last, tp_mesh, PrepareModuleOutput(**leave))
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     pad_sequence_to_multiple(model, tp_mesh.size())
 
 

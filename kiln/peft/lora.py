@@ -12,7 +12,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from kiln.config import JobConfig, PeftConfig
 from kiln.errors import KilnError
@@ -58,6 +58,18 @@ class LoRALinear(nn.Module):
         self.register_parameter("lora_magnitude_vector", magnitude)
         self.nf4 = False
         """True once the base weight is an NF4Tensor (QLoRA)."""
+
+    def tp_placements(self, style: str) -> dict[str, Placement]:
+        """Where each parameter goes under tensor parallel (kiln.parallel.tensor_parallel).
+        colwise (q/k/v/gate/up: output features split): W, b, B and the magnitude by rows, A
+        whole, so each rank computes its slice of both paths. rowwise (o/down: input features
+        split): W and A by columns, B, b and the magnitude whole; the base's and B(A x)'s partial
+        sums are added up by the layer's output reduction, as the base's alone would be."""
+        if style == "colwise":
+            return {"weight": Shard(0), "bias": Shard(0), "lora_magnitude_vector": Shard(0),
+                    "lora_A.weight": Replicate(), "lora_B.weight": Shard(0)}
+        return {"weight": Shard(1), "bias": Replicate(), "lora_magnitude_vector": Replicate(),
+                "lora_A.weight": Shard(1), "lora_B.weight": Replicate()}
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.nf4:
@@ -246,10 +258,10 @@ def check_layout(cfg: JobConfig, layout: Layout) -> None:
     if cfg.peft.method != "full" and cfg.precision.dtype == "fp8":
         raise KilnError(f"peft.method {cfg.peft.method} with precision.dtype fp8: adapters over "
                         "float8 linear layers are not wired in; use precision.dtype bf16 (or auto)")
-    if cfg.peft.method != "full" and cfg.parallel.tp > 1:
-        raise KilnError(f"peft.method {cfg.peft.method} with parallel.tp={cfg.parallel.tp}: tensor "
-                        "parallel plans for adapter layers are not written yet; shard the base "
-                        "with dp_shard (FSDP2) instead")
+    if cfg.peft.method == "qlora" and cfg.parallel.tp > 1:
+        raise KilnError(f"peft.method qlora with parallel.tp={cfg.parallel.tp}: splitting an NF4 "
+                        "base for tensor parallel is not wired in; shard it with dp_shard (FSDP2), "
+                        "or use peft.method lora")
     if cfg.peft.method == "qlora" and (layout.pp > 1 or layout.dp_replicate > 1):
         raise KilnError(f"peft.method qlora with {layout}: QLoRA runs in one process or sharded "
                         "over dp_shard (FSDP2) ranks; pipeline stages and replicas (pp, "
