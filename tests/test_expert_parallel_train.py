@@ -118,7 +118,10 @@ def four_ranks(tmp, reference):
         (job(tmp, "ep4", DEEPSEEK, 4, {"ep": 4}), "ref_deepseek"),
         # Attention (and the dense parts) tensor-parallel, the experts split over ep.
         (job(tmp, "ep2_tp2", QWEN, 2, {"dp_shard": 2, "ep": 2, "tp": 2}), "ref_qwen"),
-    ], ["dp_shard=4 x ep=2", "dp_shard=4 x ep=4", "dp_shard=2 x tp=2 x ep=2"])
+        # HSDP: two replicas of a 2-rank shard group, the experts split over the shard group.
+        (job(tmp, "ep2_hsdp", QWEN, 4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2}), "ref_qwen"),
+    ], ["dp_shard=4 x ep=2", "dp_shard=4 x ep=4", "dp_shard=2 x tp=2 x ep=2",
+        "dp_replicate=2 x dp_shard=2 x ep=2"])
 
 
 def assert_same_run(tmp, results: dict, reference: dict, name: str, ref: str) -> None:
@@ -143,7 +146,7 @@ def test_expert_parallel_on_two_ranks_matches_one_process(tmp, reference, two_ra
 
 
 @pytest.mark.parametrize("name, ref", [("ep2_fsdp4", "ref_qwen"), ("ep4", "ref_deepseek"),
-                                       ("ep2_tp2", "ref_qwen")])
+                                       ("ep2_tp2", "ref_qwen"), ("ep2_hsdp", "ref_qwen")])
 def test_expert_parallel_on_four_ranks_matches_one_process(tmp, reference, four_ranks, name, ref):
     assert_same_run(tmp, four_ranks, reference, name, ref)
 
