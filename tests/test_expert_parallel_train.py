@@ -5,6 +5,7 @@ and must give the single-process losses (within 1e-5 relative), gradient norms, 
 (load per expert, aux and z losses: counted over all ranks) and final weights. The process runs
 micro-batches of 16 sequences; a layout's data-parallel ranks together run the same 16
 (2 ranks x 8, 4 ranks x 4): the load-balancing loss balances one micro-batch over all ranks.
+Layouts: EP over 2 and 4 ranks, EP x FSDP2, EP x TP, EP x HSDP, and EP with compiled blocks.
 Jobs of one world size share one torchrun launch.
 """
 
@@ -107,8 +108,11 @@ def reference(tmp):
 def two_ranks(tmp, reference):
     # Checkpoints at steps 5 and 10: resumed and exported below in one process.
     ckpt = {"enabled": True, "interval": 5, "keep_last": None}
-    return launch(tmp, 2, [(job(tmp, "ep2", QWEN, 2, {"ep": 2}, checkpoint=ckpt), "ref_qwen")],
-                  ["dp_shard=2 x ep=2"])
+    return launch(tmp, 2, [
+        (job(tmp, "ep2", QWEN, 2, {"ep": 2}, checkpoint=ckpt), "ref_qwen"),
+        # Each block compiled (Inductor), the all-to-all dispatch and combine inside it.
+        (job(tmp, "ep2_compiled", QWEN, 2, {"ep": 2}, train={"compile": True}), "ref_qwen"),
+    ], ["dp_shard=2 x ep=2"])
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +145,9 @@ def assert_same_run(tmp, results: dict, reference: dict, name: str, ref: str) ->
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=2e-4, msg=f"{name}: {key}")
 
 
-def test_expert_parallel_on_two_ranks_matches_one_process(tmp, reference, two_ranks):
-    assert_same_run(tmp, two_ranks, reference, "ep2", "ref_qwen")
+@pytest.mark.parametrize("name", ["ep2", "ep2_compiled"])
+def test_expert_parallel_on_two_ranks_matches_one_process(tmp, reference, two_ranks, name):
+    assert_same_run(tmp, two_ranks, reference, name, "ref_qwen")
 
 
 @pytest.mark.parametrize("name, ref", [("ep2_fsdp4", "ref_qwen"), ("ep4", "ref_deepseek"),
