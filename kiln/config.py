@@ -572,6 +572,13 @@ class JobConfig(Section):
         if self.data.seq_len > self.model.max_seq_len and self.model.init_from is None:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds "
                              f"model.max_seq_len={self.model.max_seq_len}")
+        mlp_targets = [t for t in self.peft.target_modules if t in ("gate", "up", "down")]
+        if self.peft.method != "full" and self.model.moe is not None and mlp_targets:
+            raise ValueError(
+                f"peft.target_modules {mlp_targets}: this model's MLPs are mixtures of experts "
+                f"(moe, from layer {self.model.moe.first_k_dense} on), whose experts are grouped "
+                "weights that adapters do not cover yet; adapt attention (peft.target_modules: "
+                "[q, k, v, o], lm_head and embed too if wanted) or use peft.method full")
         tokens = self.train.global_batch_tokens
         if tokens is not None and tokens % self.data.seq_len:
             raise ValueError(f"train.global_batch_tokens={tokens} is not a multiple of "

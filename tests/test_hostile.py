@@ -381,6 +381,10 @@ CASES = [
                                      ["dora", "embed"])),
     ("unknown-adapter-target", lambda h: (["train", job_file(h, peft={"method": "lora", "target_modules": ["wte"]})],
                                           ["target_modules"])),
+    # LoRA's default targets (the MLP's gate/up/down too) on a mixture-of-experts model
+    ("lora-on-experts", lambda h: (["train", job_file(h, model={"moe": {"n_experts": 4, "top_k": 2}},
+                                                      peft={"method": "lora"})],
+                                   ["mixtures of experts", "[q, k, v, o]"])),
 ]
 
 

@@ -2,6 +2,7 @@
 PEFT export (checked by loading it with `peft`), merging, base fingerprints and exact resume."""
 
 import json
+import math
 import shutil
 
 import pytest
@@ -102,6 +103,31 @@ def test_only_adapters_get_gradients_and_optimizer_state(tmp_path, base):
     # 2 layers x 7 targets x (A, B, magnitude)
     assert len(adapters) == 42 and with_grad == adapters and with_state == adapters
     assert all(not p.requires_grad for n, p in model.named_parameters() if n not in adapters)
+
+
+def test_lora_on_a_mixture_of_experts_adapts_attention_and_freezes_the_experts(tmp_path):
+    # A random MoE model (no Hugging Face base): adapters on attention, router and experts frozen.
+    moe = {"n_experts": 4, "top_k": 2, "intermediate_size": 32, "n_shared_experts": 1}
+    cfg = tiny_job(tmp_path, model={"moe": moe}, peft={"method": "lora", **ADAPTER,
+                                                       "target_modules": ["q", "k", "v", "o"]},
+                   train={"max_steps": 4, "log_interval": 1, "sample_tokens": 0, "eval_interval": 1000},
+                   checkpoint={"interval": None})
+    model = build_model(cfg, None, CPU)
+    randomize_adapters(model)
+    x = tokens()
+    cross_entropy_sum(model(x[:, :-1]), x[:, 1:]).backward()
+    with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert len(with_grad) == 2 * 4 * 2 and all(is_adapter_name(n) for n in with_grad)
+    assert all(g.abs().sum() > 0 for n, g in ((n, p.grad) for n, p in model.named_parameters()
+                                               if p.grad is not None))
+    result = train(cfg)
+    assert len(result.losses) == 4 and all(math.isfinite(x) for x in result.losses)
+    # The adapter alone is stored: the router, routed and shared experts stay the base's.
+    stored = load_file(cfg.run_dir / "model.safetensors")
+    assert stored.keys() == {n for n in model.state_dict() if is_adapter_name(n)}
+    # The default targets include the MLP's gate/up/down: refused, naming what to do instead.
+    with pytest.raises(ValueError, match=r"mixtures of experts.*\[q, k, v, o\]"):
+        tiny_job(tmp_path, model={"moe": moe}, peft={"method": "lora"})
 
 
 def test_loraplus_trains_b_matrices_at_their_own_learning_rate(tmp_path, base):
