@@ -85,7 +85,9 @@ def two_ranks(tmp, reference):
         # Checkpoints at steps 5 and 10: resumed below under other layouts.
         (job(tmp, "fsdp", checkpoint={"enabled": True, "interval": 5, "keep_last": None}), "none", "ref_tied"),
         (job(tmp, "dp", {"dp_replicate": 2, "dp_shard": 1}), "none", "ref_tied"),
-        (job(tmp, "tp", {"tp": 2}), "none", "ref_tied"),
+        # With activation checkpointing: the recompute replays the first block from its
+        # unsliced input (tensor parallel's entry hook slices it).
+        (job(tmp, "tp", {"tp": 2}, train={"activation_checkpointing": True}), "none", "ref_tied"),
         (job(tmp, "fsdp_to_tp", {"tp": 2}), str(checkpoint(tmp, "fsdp", 5)), "ref_tied"),
         (job(tmp, "pp_1f1b", {"pp": 2}, tie=False), "none", "ref_untied"),
         (job(tmp, "pp_interleaved", {"pp": 2, "pp_schedule": "Interleaved1F1B", "pp_stages_per_rank": 2},
@@ -120,7 +122,8 @@ def four_ranks(tmp, reference):
         (job(tmp, "hsdp", {"dp_replicate": 2, "dp_shard": 2}), "none", "ref_tied"),
         (job(tmp, "fsdp_tp", {"dp_shard": 2, "tp": 2}), "none", "ref_tied"),
         (job(tmp, "pp_fsdp", {"pp": 2, "dp_shard": 2}, tie=False), "none", "ref_untied"),
-        (job(tmp, "pp_tp", {"pp": 2, "tp": 2}, tie=False), "none", "ref_untied"),
+        (job(tmp, "pp_tp", {"pp": 2, "tp": 2}, tie=False, train={"activation_checkpointing": True}),
+         "none", "ref_untied"),
     ])
 
 

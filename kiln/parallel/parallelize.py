@@ -1,8 +1,9 @@
 """parallelize(model, mesh, cfg): tensor or expert parallel, activation checkpointing, compile,
 FSDP2.
 
-The order matters: tensor and expert parallel first (they replace parameters with DTensors over
-the tp or ep ranks), checkpointing and compile per block, then FSDP2 shards what is there over
+The order matters: activation checkpointing first (its recompute replays each block from the
+input it was given), tensor and expert parallel (they replace parameters with DTensors over
+the tp or ep ranks), compile per block, then FSDP2 shards what is there over
 the data-parallel dimensions. Every step keeps the parameters' names.
 
 Gradients under expert parallelism: every rank's loss is its own tokens' loss sum over the
@@ -32,6 +33,12 @@ from kiln.parallel.tensor_parallel import apply_tensor_parallel
 
 def parallelize(model: nn.Module, mesh: DeviceMesh | None, cfg: JobConfig) -> nn.Module:
     """Apply the job's layout and wrappers to `model` in place (on any device, meta too)."""
+    if cfg.train.activation_checkpointing:
+        # Recompute each block's activations in backward instead of keeping them. First: its
+        # hook must see the block's input before tensor parallel's entry hook (on a region's
+        # first block) slices it, since the recompute calls the block, hooks and all, again.
+        for block in model.layers.values():
+            checkpoint(block)
     if mesh is not None and mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"])
     if (experts := expert_meshes(mesh)) is not None:
@@ -41,11 +48,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, cfg: JobConfig) -> nn
         # together, as one process running that micro-batch would (kiln.train.loss.aux_loss_sum).
         for moe in moe_layers(model).values():
             moe.balance_group = dp_mesh(mesh).get_group()
-    for block in model.layers.values():
-        if cfg.train.activation_checkpointing:
-            # Recompute this block's activations in backward instead of keeping them.
-            checkpoint(block)
-        if cfg.train.compile:
+    if cfg.train.compile:
+        for block in model.layers.values():
             block.compile()
     if mesh is not None and dp_mesh(mesh).size() > 1:
         apply_fsdp(model, mesh["dp_replicate", "dp_shard"], cfg, expert_meshes(mesh))

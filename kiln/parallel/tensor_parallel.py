@@ -20,12 +20,12 @@ which holds some of the blocks, is a region of its own.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from functools import partial
-
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                PrepareModuleInputOutput, PrepareModuleOutput,
@@ -46,29 +46,29 @@ def _place(placements: dict[str, Placement]):
     return partition
 
 
-class Colwise(ColwiseParallel):
-    """ColwiseParallel, also for a layer with tp_placements (an adapter over a linear layer)."""
+class _Declared:
+    """For torch's ColwiseParallel / RowwiseParallel: a layer with tp_placements(style) (an
+    adapter over a linear layer) is split as it says, with the style's input and output."""
+
+    style: str
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not hasattr(module, "tp_placements"):
             return super()._apply(module, device_mesh)
+        if self.style == "rowwise":
+            self.desired_input_layouts = (Shard(-1),)  # what RowwiseParallel sets for a Linear
         return distribute_module(
-            module, device_mesh, _place(module.tp_placements("colwise")),
+            module, device_mesh, _place(module.tp_placements(self.style)),
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
-class Rowwise(RowwiseParallel):
-    """RowwiseParallel, also for a layer with tp_placements."""
+class Colwise(_Declared, ColwiseParallel):
+    style = "colwise"
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not hasattr(module, "tp_placements"):
-            return super()._apply(module, device_mesh)
-        self.desired_input_layouts = (Shard(-1),)  # what RowwiseParallel sets for a Linear
-        return distribute_module(
-            module, device_mesh, _place(module.tp_placements("rowwise")),
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+class Rowwise(_Declared, RowwiseParallel):
+    style = "rowwise"
 
 
 def block_plan(qk_norm: bool, moe: bool = False) -> dict:

@@ -385,11 +385,6 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None,
     """
     groups: dict[object, list[torch.Tensor]] = {}
     for p in params:
-        if isinstance(p.grad, DTensor) and any(x.is_partial() for x in p.grad.placements):
-            # Partial sums over tensor-parallel ranks (a whole weight used on split activations,
-            # as LoRA's A in a column-split layer): summed now, since the norm of partial sums
-            # is not the norm of their sum.
-            p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
         if p.grad is not None:
             mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
             groups.setdefault(mesh, []).append(p)
