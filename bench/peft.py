@@ -3,6 +3,7 @@ LoRA under `transformers.Trainer`, on a ~500M-parameter Llama-shaped model on th
 
     .venv/bin/python bench/peft.py                      # 2 rounds, 1 warm-up + 3 timed steps each (~30 min)
     .venv/bin/python bench/peft.py --shape tiny --rounds 1   # a smoke test of the script (a minute)
+    .venv/bin/python bench/peft.py --rounds 1 --rows "kiln lora" --profile   # where a step's time goes
 
 Every run is its own subprocess (its own peak RSS) and the runs alternate within each round,
 so load from other jobs falls on all of them. The same random tokens, fp32, AdamW, the same
@@ -85,6 +86,16 @@ def run_kiln(method: str, args) -> tuple[list, float, int]:
                              [Batch(rows[:, :-1], rows[:, 1:])], grad_clip=cfg.optim.grad_clip)
         ends.append(time.perf_counter())
         losses.append(float(loss))
+    if args.profile:  # one more step under torch.profiler: where its time goes
+        from torch.profiler import ProfilerActivity, profile
+
+        rows = data[:args.batch]
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            train_step(model, optimizer, Pretrain().loss_sum, [Batch(rows[:, :-1], rows[:, 1:])],
+                       grad_clip=cfg.optim.grad_clip)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+        print(prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cpu_time_total", row_limit=12, max_shapes_column_width=60), flush=True)
     return ends, statistics.mean(losses), trainable
 
 
@@ -152,7 +163,8 @@ def worker(args) -> None:
 
 def spawn(row: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", row, "--shape", args.shape, "--batch", str(args.batch),
-           "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+           "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
+           *(["--profile"] if args.profile else [])]
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
     # Peak over the whole process, build included, from the kernel's accounting of the child.
     code = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:]); "
@@ -161,6 +173,8 @@ def spawn(row: str, args) -> dict:
     out = subprocess.run([sys.executable, "-c", code, *cmd], capture_output=True, text=True, env=env)
     result = None
     for line in out.stdout.splitlines():
+        if args.profile and not line.startswith(("RESULT ", "MAXRSS ")):
+            print(line)
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT "):])
         elif line.startswith("MAXRSS ") and result is not None:
@@ -192,6 +206,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=ROWS,
                         help="which runs (default: all; the ratios need their rows)")
+    parser.add_argument("--profile", action="store_true",
+                        help="kiln rows: print torch.profiler's table of one more step")
     parser.add_argument("--worker", choices=ROWS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -240,7 +256,7 @@ def main() -> None:
     full = flops_per_token(model_cfg, args.seq_len)
     attention = 12 * model_cfg.n_layers * model_cfg.n_heads * model_cfg.head_size * args.seq_len
     frozen = (full - attention) / 6  # matmul weights a token goes through
-    adapter = median(rows[-1], "trainable") if rows[-1] != "kiln full" else 0
+    adapter = next((median(row, "trainable") for row in rows if row != "kiln full"), 0)
     # Adapters: forward, and the backward to the activations only (no weight gradients of the
     # base), plus the adapters' own 6 FLOPs per weight.
     lora = 4 * frozen + attention + 6 * adapter
