@@ -66,14 +66,15 @@ def test_adapter_over_ranks_equals_one_process(tmp_path, base, case):  # noqa: F
         torch.testing.assert_close(got[name], tensor, atol=2e-3, rtol=0)
 
 
-def test_a_tensor_parallel_adapter_checkpoint_resumes_in_one_process(tmp_path, base):  # noqa: F811
-    """LoRA at tp=2 with activation checkpointing, checkpointed at step 2: the adapter and its
-    optimizer state, split by the TP plan, load into one process, which goes on with the losses
-    of an uninterrupted one-process run."""
+def test_a_compiled_tensor_parallel_adapter_checkpoint_resumes_in_one_process(tmp_path, base):  # noqa: F811
+    """LoRA at tp=2 with activation checkpointing and compiled blocks, checkpointed at step 2:
+    the adapter and its optimizer state, split by the TP plan, load into one (eager) process,
+    which goes on with the losses of an uninterrupted one-process run."""
     common = dict(train={"global_batch_size": 8, "num_threads": 1, "log_interval": 1,
                          "activation_checkpointing": True}, checkpoint={"interval": 2})
     reference = train(job(tmp_path / "single", base, steps=4, **common))
-    split = job(tmp_path / "tp", base, steps=4, parallel={"tp": 2}, **common)
+    split = job(tmp_path / "tp", base, steps=4, parallel={"tp": 2}, **{
+        **common, "train": {**common["train"], "compile": True}})
     config = tmp_path / "tp.yaml"
     config.write_text(split.to_yaml())
     torchrun(["-m", "kiln", "train", str(config)], timeout=300)

@@ -27,9 +27,15 @@ class _RMSNorm(torch.autograd.Function):
         grad = grad.to(rstd.dtype)
         xhat = x.to(rstd.dtype) * rstd
         gx_hat = grad * xhat  # d loss / d weight, per row
-        grad_weight = gx_hat.flatten(0, -2).sum(0).to(weight.dtype)
         # d x = rstd * (g w - xhat * mean(g w xhat)); mean(g w xhat) is one matrix-vector product.
-        dot = (gx_hat @ weight.to(rstd.dtype)).unsqueeze(-1).div_(x.shape[-1])
+        if torch.compiler.is_compiling():
+            # Inductor fuses these; the views of the eager path cannot be traced through a
+            # sequence split by tensor parallel (DTensor) with a dynamic batch size.
+            grad_weight = gx_hat.sum(tuple(range(gx_hat.ndim - 1))).to(weight.dtype)
+            dot = (gx_hat * weight.to(rstd.dtype)).sum(-1, keepdim=True).div_(x.shape[-1])
+        else:
+            grad_weight = gx_hat.flatten(0, -2).sum(0).to(weight.dtype)
+            dot = (gx_hat @ weight.to(rstd.dtype)).unsqueeze(-1).div_(x.shape[-1])
         grad_x = (grad * weight).addcmul_(xhat, dot, value=-1).mul_(rstd)
         return grad_x.to(x.dtype), grad_weight, None
 
